@@ -1,0 +1,45 @@
+"""The ``bytescheduler`` command.
+
+    bytescheduler demo         2 local ranks: DDP with and without the scheduled hook
+    bytescheduler microbench   scheduling cost per piece with a no-op backend
+    bytescheduler version
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "demo": "2 local ranks on 127.0.0.1: DDP default vs DDP + scheduled hook",
+    "microbench": "scheduling cost per piece with a backend that does nothing",
+    "version": "print the version",
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage: bytescheduler COMMAND [options]\n\ncommands:")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<12} {text}")
+        print("\n'bytescheduler COMMAND --help' shows a command's options.")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from .demo import main as run
+    elif command == "microbench":
+        from .microbench import main as run
+    elif command == "version":
+        from . import __version__
+
+        print(__version__)
+        return 0
+    else:
+        print(f"bytescheduler: unknown command {command!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

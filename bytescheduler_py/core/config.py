@@ -1,0 +1,182 @@
+"""Configuration: keyword arguments override environment variables, which override defaults.
+
+Sizes are bytes. Strings such as ``"4MB"`` (SI, 4,000,000), ``"4MiB"`` (binary,
+4,194,304), ``"512KiB"`` or plain integers are accepted everywhere a size is.
+
+>>> parse_size("512KiB", "partition_bytes")
+524288
+>>> SchedulerConfig.resolve(partition_bytes="1MB").partition_bytes
+1000000
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping, Optional, Union
+
+Size = Union[int, str]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_FORMS = "a positive integer number of bytes or a size such as '4MB', '4MiB', '512KiB', '1GB'"
+
+ENV_PARTITION = "BYTESCHEDULER_PARTITION"
+ENV_CREDIT = "BYTESCHEDULER_CREDIT"
+ENV_TIMELINE = "BYTESCHEDULER_TIMELINE"
+ENV_DEBUG = "BYTESCHEDULER_DEBUG"
+ENV_TIMEOUT = "BYTESCHEDULER_TIMEOUT"
+ENV_MERGE = "BYTESCHEDULER_MERGE"
+ENV_FAST_LANE = "BYTESCHEDULER_FAST_LANE"
+
+
+def parse_size(value: Size, name: str) -> int:
+    """Return ``value`` as a positive number of bytes; ``name`` is used in the error."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not a size: use {SIZE_FORMS}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"{name}={value!r} is not a size: use {SIZE_FORMS}")
+        number = math.floor(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{name}={value!r} is not a size: use {SIZE_FORMS}")
+    if number <= 0:
+        raise ValueError(f"{name}={value!r} must be positive: use {SIZE_FORMS}")
+    return number
+
+
+def parse_nonnegative_size(value: Size, name: str) -> int:
+    """Like :func:`parse_size` but also accepts 0 (meaning: off)."""
+    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+        return 0
+    return parse_size(value, name)
+
+
+def parse_bool(value: Union[bool, int, str], name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+
+
+def parse_timeout(value: Union[float, int, str], name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not seconds > 0 or math.isinf(seconds):
+        raise ValueError(f"{name}={value!r} is not a timeout: use a positive number of seconds")
+    return seconds
+
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "warn": 30, "error": 40, "critical": 50}
+
+
+def parse_log_level(value: Union[int, str], name: str) -> Optional[int]:
+    """``"0"``/``""`` means off; ``"1"``/``"true"`` means DEBUG; level names and numbers work."""
+    text = str(value).strip().lower()
+    if text in ("", "0", "false", "off", "no"):
+        return None
+    if text in ("1", "true", "on", "yes"):
+        return 10
+    if text in _LEVELS:
+        return _LEVELS[text]
+    if text.isdigit():
+        return int(text)
+    raise ValueError(
+        f"{name}={value!r} is not a log level: use 1 (debug), 0 (off), or one of "
+        "DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Every knob of the scheduler, in bytes and seconds.
+
+    partition_bytes: tensors larger than this are split into pieces of at most this size,
+        and small pieces are merged into operations of at most this size.
+    credit_bytes: at most this many bytes are in flight at once (a single piece larger
+        than the credit goes out alone when nothing else is in flight).
+    merge: fuse small ready pieces of the same dtype/device into one operation.
+    fast_lane_bytes: operations of at most this size go to a second communication lane so
+        they do not queue behind large ones in the backend's FIFO; 0 turns the lane off.
+    timeout: seconds a communication operation (or a peer it waits for) may take before
+        :class:`~bytescheduler.core.errors.CommunicationTimeout` is raised.
+    timeline: path of the Chrome trace to write (one file per rank), or None.
+    log_level: logging level for the ``bytescheduler`` logger (stderr), or None.
+    """
+
+    partition_bytes: int = 4 * 1024**2
+    credit_bytes: int = 16 * 1024**2
+    merge: bool = True
+    fast_lane_bytes: int = 1024**2
+    timeout: float = 300.0
+    timeline: Optional[str] = None
+    log_level: Optional[int] = None
+
+    @classmethod
+    def resolve(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "SchedulerConfig":
+        """Build a config from defaults, then ``environ`` (default ``os.environ``), then keywords.
+
+        Keywords whose value is None are ignored, so adapters can pass their arguments through.
+        """
+        env = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown scheduler option(s) {sorted(unknown)}; known: {sorted(known)}")
+        values: dict = {}
+        if env.get(ENV_PARTITION):
+            values["partition_bytes"] = parse_size(env[ENV_PARTITION], ENV_PARTITION)
+        if env.get(ENV_CREDIT):
+            values["credit_bytes"] = parse_size(env[ENV_CREDIT], ENV_CREDIT)
+        if env.get(ENV_MERGE):
+            values["merge"] = parse_bool(env[ENV_MERGE], ENV_MERGE)
+        if env.get(ENV_FAST_LANE):
+            values["fast_lane_bytes"] = parse_nonnegative_size(env[ENV_FAST_LANE], ENV_FAST_LANE)
+        if env.get(ENV_TIMEOUT):
+            values["timeout"] = parse_timeout(env[ENV_TIMEOUT], ENV_TIMEOUT)
+        if env.get(ENV_TIMELINE):
+            values["timeline"] = env[ENV_TIMELINE]
+        if ENV_DEBUG in env:
+            values["log_level"] = parse_log_level(env[ENV_DEBUG], ENV_DEBUG)
+
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "partition_bytes" in given:
+            given["partition_bytes"] = parse_size(given["partition_bytes"], "partition_bytes")
+        if "credit_bytes" in given:
+            given["credit_bytes"] = parse_size(given["credit_bytes"], "credit_bytes")
+        if "fast_lane_bytes" in given:
+            given["fast_lane_bytes"] = parse_nonnegative_size(given["fast_lane_bytes"], "fast_lane_bytes")
+        if "merge" in given:
+            given["merge"] = parse_bool(given["merge"], "merge")
+        if "timeout" in given:
+            given["timeout"] = parse_timeout(given["timeout"], "timeout")
+        if "log_level" in given:
+            given["log_level"] = parse_log_level(given["log_level"], "log_level")
+        if "timeline" in given:
+            given["timeline"] = os.fspath(given["timeline"])
+        values.update(given)
+        return replace(cls(), **values)

@@ -1,0 +1,522 @@
+"""The scheduler: a priority queue that partitions, merges and admits pieces under a credit.
+
+A framework adapter submits a :class:`~bytescheduler.core.task.Task` when a tensor is
+ready to communicate; the scheduler splits it into pieces, keeps them in a heap ordered
+by (priority, arrival), and whenever credit frees launches the best ready pieces through
+a :class:`Backend`, fusing small neighbours into one operation. Completion flows back as
+the task's future (:class:`~bytescheduler.core.task.TaskFuture`).
+
+With an :class:`~bytescheduler.core.ordering.OrderChannel` the leader's decisions are
+replayed by every follower, so all ranks issue collectives in one order.
+
+>>> from bytescheduler.core import Scheduler, Task
+>>> class Immediate:
+...     def launch(self, op, done):
+...         done(None)
+>>> with Scheduler(Immediate(), partition_bytes=8) as scheduler:
+...     future = scheduler.submit(Task(key=0, numel=10, itemsize=4, priority=0, payload=None))
+...     future.result(timeout=5).key
+0
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Protocol, Tuple
+
+from .config import SchedulerConfig
+from .credit import CreditWindow
+from .errors import (
+    ByteSchedulerError,
+    CommunicationError,
+    CommunicationTimeout,
+    MismatchError,
+    SchedulerClosed,
+)
+from .log import configure_logging, logger
+from .ordering import Decision, OrderChannel, decode, encode_ops, encode_stop
+from .partition import partition_ranges
+from .task import Operation, Piece, Task, TaskFuture
+from .timeline import Timeline
+
+Done = Callable[[Optional[BaseException]], None]
+
+_epochs = itertools.count()
+# How often waiting threads wake to check deadlines (seconds).
+_WATCH_INTERVAL = 0.5
+
+
+class Backend(Protocol):
+    """Moves the bytes of one operation.
+
+    ``launch`` starts the operation and returns promptly; ``done(None)`` (or
+    ``done(exception)``) must be called exactly once when it finished, from any thread,
+    possibly before ``launch`` returns. ``num_lanes`` (optional, default 1) is how many
+    independent FIFO channels the backend offers; lane 1 carries small operations.
+    """
+
+    def launch(self, op: Operation, done: Done) -> None: ...
+
+
+class Scheduler:
+    """Orders, partitions, merges and admits communication under a credit.
+
+    Args:
+        backend: what moves the bytes (see :class:`Backend`).
+        channel: carries the leader's order to followers; None when the backend does not
+            need one order on all ranks (a single rank, Horovod, a parameter server).
+        rank: this process's rank, for logs and the timeline.
+        config: a :class:`SchedulerConfig`; keyword arguments (``partition_bytes``,
+            ``credit_bytes``, ``merge``, ``fast_lane_bytes``, ``timeout``, ``timeline``,
+            ``log_level``) override it and the ``BYTESCHEDULER_*`` environment variables.
+
+    The scheduler is started on construction and stopped by :meth:`stop` (or the end of
+    a ``with`` block). ``stop`` is collective when a channel is used: every rank calls it.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        channel: Optional[OrderChannel] = None,
+        rank: int = 0,
+        config: Optional[SchedulerConfig] = None,
+        **options,
+    ) -> None:
+        if config is None:
+            config = SchedulerConfig.resolve(**options)
+        elif options:
+            config = SchedulerConfig.resolve(
+                **{**{k: getattr(config, k) for k in config.__dataclass_fields__}, **options}
+            )
+        self.config = config
+        self.rank = rank
+        configure_logging(config.log_level, rank)
+        self._backend = backend
+        self._channel = channel
+        self._leader = channel is None or channel.is_leader
+        self._lanes = max(1, int(getattr(backend, "num_lanes", 1)))
+        new_epoch = getattr(channel, "new_epoch", None)
+        self._epoch = new_epoch() if new_epoch is not None else next(_epochs)
+
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: List[Piece] = []
+        self._credit = CreditWindow(config.credit_bytes)
+        self._in_flight: Dict[int, Operation] = {}
+        self._pending: Dict[Tuple[int, int], Task] = {}
+        self._generations: Dict[int, int] = {}
+        self._op_ids = itertools.count()
+        self._error: Optional[BaseException] = None
+        self._stopping = False
+        self._abandon = threading.Event()
+        self._closed = False
+        self._next_deadline_check = 0.0
+        self._sleepers = 0  # threads waiting on _cond
+        # Followers only.
+        self._decided: Deque[Tuple[float, Decision]] = deque()
+        self._undecided_elements = 0
+        self._stop_received = False
+
+        self._timeline = Timeline(config.timeline, rank) if config.timeline else None
+        self._ops_launched = 0
+        self._pieces_launched = 0
+
+        role = "alone" if channel is None else ("leader" if self._leader else "follower")
+        logger.debug("scheduler epoch %d starts as %s: %s", self._epoch, role, config)
+        self._threads = [
+            threading.Thread(
+                target=self._run_leader if self._leader else self._run_follower,
+                name=f"bytescheduler-dispatch-r{rank}",
+                daemon=True,
+            )
+        ]
+        if not self._leader:
+            self._threads.append(
+                threading.Thread(target=self._run_receiver, name=f"bytescheduler-receive-r{rank}", daemon=True)
+            )
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def submit(self, task: Task) -> TaskFuture:
+        """Queue ``task`` (its tensor is ready now); its future resolves when it is communicated.
+
+        Raises the scheduler's error if an earlier operation failed.
+        """
+        now = time.perf_counter()
+        task.ready_time = now
+        finished = False
+        with self._cond:
+            self._raise_if_unusable()
+            if task.numel == 0:
+                finished = True
+            else:
+                generation = self._generations.get(task.key, 0)
+                self._generations[task.key] = generation + 1
+                task.generation = generation
+                self._pending[(task.key, generation)] = task
+                if self._leader:
+                    self._push_pieces(task, now)
+                else:
+                    self._undecided_elements += task.numel
+                if self._sleepers:  # no notify when every thread is busy anyway
+                    self._cond.notify_all()
+        if finished:
+            task.future.set_result(task)
+        return task.future
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait until every submitted task has been communicated.
+
+        Raises :class:`CommunicationTimeout` after ``timeout`` seconds (default: the
+        configured timeout) and the scheduler's error if an operation failed.
+        """
+        limit = self.config.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while self._pending and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommunicationTimeout(
+                        f"rank {self.rank}: {len(self._pending)} tensor(s) not communicated within "
+                        f"{limit} s (e.g. {next(iter(self._pending.values()))}); is every rank "
+                        "submitting the same tensors, and is every peer alive?"
+                    )
+                self._sleep(min(remaining, _WATCH_INTERVAL))
+            self._raise_error()
+
+    def check(self) -> None:
+        """Raise the error of a failed communication operation, if any."""
+        with self._cond:
+            self._raise_error()
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self._credit.in_flight
+
+    @property
+    def peak_in_flight_bytes(self) -> int:
+        return self._credit.peak
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        return {
+            "operations": self._ops_launched,
+            "pieces": self._pieces_launched,
+            "peak_in_flight_bytes": self._credit.peak,
+        }
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the scheduler and join its threads.
+
+        With ``wait=True`` every submitted task is communicated first and, when an order
+        channel is used, the ranks shake hands so the channel can be reused; every rank
+        must then call ``stop``. ``wait=False`` abandons queued work at once (e.g. after
+        an exception in the training loop). Raises the scheduler's error if an operation
+        failed and the error was not raised before.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+            if not wait:
+                self._abandon.set()
+            self._cond.notify_all()
+        join_limit = time.monotonic() + (self.config.timeout + 5.0 if wait else 5.0)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, join_limit - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            self._abandon.set()
+            self._fail(CommunicationTimeout(f"rank {self.rank}: scheduler threads {stuck} did not stop in time"))
+        if self._timeline is not None:
+            self._timeline.close()
+        logger.debug("scheduler epoch %d stopped: %s", self._epoch, self.stats)
+        if wait:
+            with self._cond:
+                self._raise_error()
+
+    def __enter__(self) -> "Scheduler":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(wait=exc_type is None)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait on the condition (lock held), counted so that submit can skip the notify."""
+        self._sleepers += 1
+        try:
+            self._cond.wait(seconds)
+        finally:
+            self._sleepers -= 1
+
+    # ------------------------------------------------------------------ errors
+
+    def _raise_if_unusable(self) -> None:
+        self._raise_error()
+        if self._stopping:
+            raise SchedulerClosed("the scheduler was stopped; create a new one to communicate again")
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error = self._error
+            raise type(error)(str(error)) from error
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            failed = self._fail_locked(error)
+            error = self._error
+        for task in failed:
+            if not task.future.done():
+                task.future.set_exception(error)
+
+    def _fail_locked(self, error: BaseException) -> List[Task]:
+        """Record the first error, drop queued work; return the tasks whose futures must fail."""
+        if self._error is not None:
+            return []
+        if not isinstance(error, ByteSchedulerError):
+            wrapped = CommunicationError(
+                f"rank {self.rank}: communication failed ({type(error).__name__}: {error}); a peer "
+                "process may have died or the network failed"
+            )
+            wrapped.__cause__ = error
+            error = wrapped
+        logger.error("scheduler epoch %d failed: %s", self._epoch, error)
+        self._error = error
+        self._abandon.set()
+        failed = list(self._pending.values())
+        self._pending.clear()
+        self._heap.clear()
+        self._cond.notify_all()
+        return failed
+
+    def _check_deadlines(self, now: float) -> None:
+        """Fail when an operation or a follower's wait has lasted longer than the timeout."""
+        if now < self._next_deadline_check:
+            return
+        self._next_deadline_check = now + _WATCH_INTERVAL
+        limit = self.config.timeout
+        for op in self._in_flight.values():
+            if now - op.launch_time > limit:
+                raise CommunicationTimeout(
+                    f"rank {self.rank}: {op} did not finish within {limit} s; a peer may have died or "
+                    "stopped submitting (set BYTESCHEDULER_TIMEOUT to change the limit)"
+                )
+        if not self._leader:
+            if self._decided and now - self._decided[0][0] > limit:
+                lane, pieces = self._decided[0][1]
+                missing = [p[:2] for p in pieces if (p[0], p[1]) not in self._pending]
+                raise MismatchError(
+                    f"rank {self.rank}: rank 0 scheduled tensor(s) (key, generation) {missing} that this "
+                    f"rank has not submitted within {limit} s; every rank must submit the same tensors"
+                )
+            oldest = min((t.ready_time for t in self._pending.values()), default=now)
+            if now - oldest > limit:
+                raise CommunicationTimeout(
+                    f"rank {self.rank}: rank 0 has not scheduled tensors this rank submitted "
+                    f"{now - oldest:.0f} s ago; has rank 0 died or stopped submitting?"
+                )
+
+    # ------------------------------------------------------------------ leader
+
+    def _push_pieces(self, task: Task, now: float) -> None:
+        for start, stop in partition_ranges(task.numel, task.itemsize, self.config.partition_bytes):
+            piece = Piece(task, start, stop)
+            piece.queued_time = now
+            heapq.heappush(self._heap, piece)
+
+    def _take_ops(self) -> List[Operation]:
+        """Pop what the credit admits now, highest priority first, fusing small neighbours."""
+        heap, credit = self._heap, self._credit
+        limit = self.config.partition_bytes
+        merge = self.config.merge
+        ops: List[Operation] = []
+        while heap and credit.admits(heap[0].nbytes):
+            first = heapq.heappop(heap)
+            pieces = [first]
+            total = first.nbytes
+            fuse_key = first.task.fuse_key
+            if merge and fuse_key is not None:
+                while heap:
+                    candidate = heap[0]
+                    size = total + candidate.nbytes
+                    if (
+                        candidate.task.fuse_key != fuse_key
+                        or size > limit
+                        or credit.in_flight + size > credit.capacity
+                    ):
+                        break
+                    pieces.append(heapq.heappop(heap))
+                    total = size
+            credit.take(total)
+            ops.append(self._new_op(pieces, total))
+        return ops
+
+    def _new_op(self, pieces: List[Piece], total: int) -> Operation:
+        lane = 1 if self._lanes > 1 and total <= self.config.fast_lane_bytes else 0
+        op = Operation(pieces, lane, next(self._op_ids))
+        self._in_flight[op.op_id] = op
+        return op
+
+    def _run_leader(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        if self._abandon.is_set():
+                            return
+                        now = time.perf_counter()
+                        ops = self._take_ops()
+                        if ops:
+                            break
+                        if self._stopping and not self._pending and not self._in_flight:
+                            break
+                        self._check_deadlines(now)
+                        self._sleep(_WATCH_INTERVAL)
+                if not ops:
+                    if self._channel is not None:
+                        self._channel.publish(encode_stop(self._epoch))
+                    return
+                if self._channel is not None:
+                    decisions = [
+                        (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
+                        for op in ops
+                    ]
+                    self._channel.publish(encode_ops(self._epoch, decisions))
+                self._launch(ops, now)
+        except BaseException as error:  # noqa: BLE001 - any failure must reach the user
+            self._fail(error)
+
+    def _launch(self, ops: List[Operation], now: float) -> None:
+        for op in ops:
+            op.launch_time = now
+            self._ops_launched += 1
+            self._pieces_launched += len(op.pieces)
+            self._backend.launch(op, lambda error, op=op: self._on_done(op, error))
+
+    def _on_done(self, op: Operation, error: Optional[BaseException]) -> None:
+        if error is not None:
+            self._fail(error)
+            return
+        now = time.perf_counter()
+        finished: List[Task] = []
+        with self._cond:
+            if self._in_flight.pop(op.op_id, None) is None:
+                return  # already failed and cleared
+            self._credit.release(op.nbytes)
+            for piece in op.pieces:
+                task = piece.task
+                task.remaining -= piece.stop - piece.start
+                if task.remaining == 0:
+                    del self._pending[(task.key, task.generation)]
+                    finished.append(task)
+            self._cond.notify_all()
+        if self._timeline is not None:
+            self._record(op, finished, now)
+        for task in finished:
+            task.future.set_result(task)
+
+    def _record(self, op: Operation, finished: List[Task], now: float) -> None:
+        timeline = self._timeline
+        names = "+".join(p.task.name for p in op.pieces)
+        for piece in op.pieces:
+            timeline.span("queue", piece.task.name, piece.queued_time, op.launch_time,
+                          {"start": piece.start, "stop": piece.stop})
+        timeline.span(f"lane{op.lane}", names, op.launch_time, now,
+                      {"bytes": op.nbytes, "pieces": len(op.pieces)})
+        for task in finished:
+            timeline.span("task", task.name, task.ready_time, now,
+                          {"key": task.key, "generation": task.generation, "bytes": task.nbytes,
+                           "priority": task.priority})
+
+    # ------------------------------------------------------------------ follower
+
+    def _run_receiver(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._undecided_elements <= 0 and not self._stopping:
+                        if self._abandon.is_set():
+                            return
+                        self._sleep(_WATCH_INTERVAL)
+                    if self._abandon.is_set():
+                        return
+                message = self._channel.receive(self._abandon)
+                if message is None:
+                    return
+                decisions = decode(message, self._epoch)
+                now = time.perf_counter()
+                with self._cond:
+                    if decisions is None:
+                        self._stop_received = True
+                        self._cond.notify_all()
+                        return
+                    for decision in decisions:
+                        self._decided.append((now, decision))
+                        for _, _, start, stop in decision[1]:
+                            self._undecided_elements -= stop - start
+                    self._cond.notify_all()
+        except BaseException as error:  # noqa: BLE001
+            self._fail(error)
+
+    def _take_decided(self, now: float) -> List[Operation]:
+        """Turn decided operations whose tensors are ready here into operations, in order."""
+        ops: List[Operation] = []
+        while self._decided:
+            _, (lane, spec) = self._decided[0]
+            pieces = []
+            for key, generation, start, stop in spec:
+                task = self._pending.get((key, generation))
+                if task is None:
+                    if generation < self._generations.get(key, 0):
+                        raise MismatchError(
+                            f"rank {self.rank}: rank 0 scheduled tensor key {key} generation {generation} "
+                            "again after it completed; ranks disagree on the tensors"
+                        )
+                    return ops
+                if stop > task.numel:
+                    raise MismatchError(
+                        f"rank {self.rank}: rank 0 has {stop}+ elements in tensor {task.name} (key {key}) "
+                        f"but this rank has {task.numel}; every rank must communicate tensors of the "
+                        "same shape"
+                    )
+                piece = Piece(task, start, stop)
+                piece.queued_time = task.ready_time
+                pieces.append(piece)
+            self._decided.popleft()
+            op = Operation(pieces, min(lane, self._lanes - 1), next(self._op_ids))
+            self._in_flight[op.op_id] = op
+            self._credit.take(op.nbytes)
+            ops.append(op)
+        return ops
+
+    def _run_follower(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        if self._abandon.is_set():
+                            return
+                        now = time.perf_counter()
+                        ops = self._take_decided(now)
+                        if ops:
+                            break
+                        if self._stop_received and not self._decided and not self._in_flight:
+                            if self._pending:
+                                raise MismatchError(
+                                    f"rank {self.rank}: rank 0 stopped while this rank still had "
+                                    f"{len(self._pending)} tensor(s) to communicate; every rank "
+                                    "must submit the same tensors"
+                                )
+                            return
+                        self._check_deadlines(now)
+                        self._sleep(_WATCH_INTERVAL)
+                self._launch(ops, now)
+        except BaseException as error:  # noqa: BLE001
+            self._fail(error)

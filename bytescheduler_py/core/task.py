@@ -1,0 +1,190 @@
+"""The units the scheduler moves: a task (one tensor), its pieces, and operations."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable, Hashable, List, Optional
+
+
+class TaskFuture:
+    """The outcome of one task: a light subset of :class:`concurrent.futures.Future`.
+
+    ``done()``, ``result(timeout)``, ``exception(timeout)`` and ``add_done_callback(fn)``
+    behave as in ``concurrent.futures``; callbacks run in the thread that completes the
+    task (or at once if it is already done). It is lighter than the standard future (no
+    condition variable unless someone waits), which matters at one future per tensor.
+    """
+
+    __slots__ = ("_lock", "_done", "_result", "_exception", "_callbacks", "_event")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+        self._result: Any = None
+        self._exception: Optional[BaseException] = None
+        self._callbacks: List[Callable[["TaskFuture"], None]] = []
+        self._event: Optional[threading.Event] = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def _wait(self, timeout: Optional[float]) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if not self._done and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"task not communicated within {timeout} s")
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        self._wait(timeout)
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self._wait(timeout)
+        return self._exception
+
+    def add_done_callback(self, fn: Callable[["TaskFuture"], None]) -> None:
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, result: Any, exception: Optional[BaseException]) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._result, self._exception = result, exception
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, []
+            event = self._event
+        if event is not None:
+            event.set()
+        for callback in callbacks:
+            callback(self)
+
+    def set_result(self, result: Any) -> None:
+        self._finish(result, None)
+
+    def set_exception(self, exception: BaseException) -> None:
+        self._finish(None, exception)
+
+
+class Task:
+    """One tensor's communication.
+
+    key: an integer naming the tensor, identical on every rank (e.g. a parameter or
+        bucket index). Each submission of the same key is a new *generation*.
+    numel, itemsize: size of the flat payload in elements and bytes per element.
+    priority: lower goes sooner (the tensor's position in forward order).
+    payload: whatever the backend needs to find the bytes (e.g. a flat tensor);
+        the core never looks inside it.
+    fuse_key: tasks with equal, non-None fuse keys may be merged into one operation
+        (e.g. same dtype and device); None means never merge.
+    """
+
+    __slots__ = (
+        "key",
+        "generation",
+        "numel",
+        "itemsize",
+        "priority",
+        "payload",
+        "fuse_key",
+        "future",
+        "remaining",
+        "ready_time",
+        "name",
+        "context",
+    )
+
+    def __init__(
+        self,
+        key: int,
+        numel: int,
+        itemsize: int,
+        priority: float,
+        payload: Any,
+        fuse_key: Optional[Hashable] = None,
+        name: Optional[str] = None,
+        context: Any = None,
+    ) -> None:
+        self.key = int(key)
+        self.generation = -1
+        self.numel = int(numel)
+        self.itemsize = int(itemsize)
+        self.priority = priority
+        self.payload = payload
+        self.fuse_key = fuse_key
+        self.future = TaskFuture()
+        self.remaining = self.numel
+        self.ready_time = 0.0
+        self.name = name if name is not None else f"key{self.key}"
+        self.context = context
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def __repr__(self) -> str:
+        return (
+            f"Task({self.name!r}, key={self.key}, generation={self.generation}, "
+            f"numel={self.numel}, priority={self.priority})"
+        )
+
+
+_sequence = itertools.count()
+
+
+class Piece:
+    """A contiguous element range ``[start, stop)`` of a task's flat payload."""
+
+    __slots__ = ("task", "start", "stop", "nbytes", "seq", "queued_time")
+
+    def __init__(self, task: Task, start: int, stop: int) -> None:
+        self.task = task
+        self.start = start
+        self.stop = stop
+        self.nbytes = (stop - start) * task.itemsize
+        self.seq = next(_sequence)
+        self.queued_time = 0.0
+
+    def __lt__(self, other: "Piece") -> bool:
+        # Heap order: priority, then arrival (first come, first served among equals).
+        mine, theirs = self.task.priority, other.task.priority
+        if mine != theirs:
+            return mine < theirs
+        return self.seq < other.seq
+
+    def __repr__(self) -> str:
+        return f"Piece({self.task.name!r}, [{self.start}, {self.stop}))"
+
+
+class Operation:
+    """One backend call: a single piece, or several small pieces fused together."""
+
+    __slots__ = ("pieces", "lane", "nbytes", "op_id", "launch_time", "context")
+
+    def __init__(self, pieces: List[Piece], lane: int, op_id: int) -> None:
+        self.pieces = pieces
+        self.lane = lane
+        self.nbytes = sum(p.nbytes for p in pieces)
+        self.op_id = op_id
+        self.launch_time = 0.0
+        self.context: Any = None
+
+    @property
+    def fused(self) -> bool:
+        return len(self.pieces) > 1
+
+    def __repr__(self) -> str:
+        return f"Operation(#{self.op_id}, lane={self.lane}, {self.nbytes} B, {self.pieces})"

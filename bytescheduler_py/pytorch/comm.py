@@ -1,0 +1,252 @@
+"""The torch.distributed backend: all-reduce lanes and the leader's order channel.
+
+One :class:`TorchCommunicator` per process group holds three process groups of its own,
+created once per process and reused by every scheduler on that group:
+
+- lane 0 carries large operations, lane 1 small ones: gloo runs the operations of one
+  group first in, first out, so a small urgent piece must not queue behind large ones;
+- a gloo control group carries the leader's decisions (async broadcasts of int64 frames).
+
+Our operations never share a group with the user's own collectives, so the order of the
+user's calls is untouched.
+
+CUDA tensors (NCCL) are supported by design but untested here (no GPU on our machines):
+each launch waits on the event recorded when the tensor became ready, and completion is
+learned from an event recorded after the collective, by one waiter thread per lane.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections import deque
+from datetime import timedelta
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core.errors import CommunicationError, MismatchError
+from ..core.scheduler import Done
+from ..core.task import Operation
+
+# int64 words per control frame: [length, more, payload...]. 8 KiB per broadcast.
+_FRAME_WORDS = 1024
+_PAYLOAD_WORDS = _FRAME_WORDS - 2
+
+
+def _view(piece) -> torch.Tensor:
+    return piece.task.payload.narrow(0, piece.start, piece.stop - piece.start)
+
+
+class _CudaCompletion:
+    """Learns when CUDA collectives finish: one thread per lane waits on events in order.
+
+    Operations of one NCCL communicator run in issue order, so waiting in order is exact.
+    """
+
+    def __init__(self, lane: int) -> None:
+        self._queue: "queue.SimpleQueue[Optional[Tuple[Any, Done]]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"bytescheduler-cuda-lane{lane}", daemon=True)
+        self._thread.start()
+
+    def put(self, event: Any, done: Done) -> None:
+        self._queue.put((event, done))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, done = item
+            try:
+                event.synchronize()
+            except BaseException as error:  # noqa: BLE001
+                done(error)
+                continue
+            done(None)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+
+class TorchCommunicator:
+    """:class:`~bytescheduler.core.Backend` and order channel over torch.distributed.
+
+    Use :meth:`for_group` to get the process's shared instance for a process group.
+
+    >>> communicator = TorchCommunicator.for_group()          # doctest: +SKIP
+    >>> scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank)  # doctest: +SKIP
+    """
+
+    num_lanes = 2
+    _cache: Dict[tuple, Optional["TorchCommunicator"]] = {}
+    _cache_lock = threading.Lock()
+    _keepalive: List[Any] = []
+
+    @classmethod
+    def for_group(
+        cls, process_group: Optional[dist.ProcessGroup] = None, timeout: float = 300.0
+    ) -> Optional["TorchCommunicator"]:
+        """The shared communicator of ``process_group`` (default: the whole world).
+
+        Collective over the default group, like ``dist.new_group``: every process calls
+        it, in the same order. A process outside ``process_group`` passes what
+        ``dist.new_group`` returned to it (``GroupMember.NON_GROUP_MEMBER``) and gets None.
+        Processes may pass different groups (e.g. disjoint data-parallel groups): the
+        groups of every set of ranks are created once, on all processes, and reused.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+                "before creating a bytescheduler hook or optimizer"
+            )
+        world = dist.group.WORLD
+        group = world if process_group is None else process_group
+        if group == dist.GroupMember.NON_GROUP_MEMBER:
+            mine = None
+        else:
+            mine = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group), float(timeout))
+        # Every process learns which groups the others want, so all create the same groups
+        # in the same order (group creation is collective over the default group).
+        wanted: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(wanted, mine)
+        with cls._cache_lock:
+            for spec in sorted({spec for spec in wanted if spec is not None}):
+                key = (id(world),) + spec
+                if key not in cls._cache:
+                    ranks, backend, seconds = spec
+                    communicator = cls(list(ranks), backend, seconds)
+                    cls._cache[key] = communicator if communicator.rank >= 0 else None
+                    cls._keepalive.append(world)  # the id in the key must not be reused
+            return None if mine is None else cls._cache[(id(world),) + mine]
+
+    def __init__(self, ranks: List[int], backend: str, timeout: float) -> None:
+        """Create the lanes and the control group over ``ranks`` (collective, see for_group)."""
+        self.ranks = ranks
+        me = dist.get_rank()
+        self.rank = ranks.index(me) if me in ranks else -1
+        self.world_size = len(ranks)
+        self.backend = backend
+        span = timedelta(seconds=timeout)
+        self._lanes = [dist.new_group(ranks, timeout=span, backend=backend) for _ in range(self.num_lanes)]
+        self._control = dist.new_group(ranks, timeout=span, backend="gloo")
+        self._leader_rank = ranks[0]
+        self._sent: Deque[Tuple[Any, torch.Tensor]] = deque()
+        self._receive_buffer = torch.zeros(_FRAME_WORDS, dtype=torch.int64)
+        self._epochs = itertools.count()
+        self.broken = False
+        self._cuda: Dict[int, _CudaCompletion] = {}
+        self._cuda_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ order channel
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def new_epoch(self) -> int:
+        if self.broken:
+            raise CommunicationError(
+                "an earlier scheduler on this process group was abandoned in the middle of "
+                "communication (after an error); its groups cannot carry a new schedule: "
+                "restart the job"
+            )
+        return next(self._epochs)
+
+    def publish(self, message: Sequence[int]) -> None:
+        """Send ``message`` to every follower with async broadcasts (leader only)."""
+        while self._sent and self._sent[0][0].done():
+            future, _ = self._sent.popleft()
+            future.wait()  # raises if the broadcast failed
+        for at in range(0, max(len(message), 1), _PAYLOAD_WORDS):
+            chunk = message[at : at + _PAYLOAD_WORDS]
+            frame = torch.zeros(_FRAME_WORDS, dtype=torch.int64)
+            frame[0] = len(chunk)
+            frame[1] = 1 if at + _PAYLOAD_WORDS < len(message) else 0
+            frame[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            work = dist.broadcast(frame, src=self._leader_rank, group=self._control, async_op=True)
+            self._sent.append((work.get_future(), frame))
+
+    def receive(self, cancel: threading.Event) -> Optional[List[int]]:
+        """Receive the leader's next message (followers only); None once ``cancel`` is set."""
+        message: List[int] = []
+        frame = self._receive_buffer
+        while True:
+            work = dist.broadcast(frame, src=self._leader_rank, group=self._control, async_op=True)
+            future = work.get_future()
+            arrived = threading.Event()
+            future.add_done_callback(lambda _: arrived.set())
+            while not arrived.wait(0.1):
+                if cancel.is_set():
+                    # The broadcast stays posted inside gloo and would swallow the next
+                    # frame, so this channel must not carry another scheduler's order.
+                    self._receive_buffer = torch.zeros(_FRAME_WORDS, dtype=torch.int64)
+                    self.broken = True
+                    return None
+            future.wait()  # raises if the leader is gone or the group timed out
+            length, more = int(frame[0]), int(frame[1])
+            if not 0 <= length <= _PAYLOAD_WORDS:
+                raise MismatchError(f"corrupt ordering frame (length {length})")
+            message.extend(frame[2 : 2 + length].tolist())
+            if not more:
+                return message
+
+    # ------------------------------------------------------------------ backend
+
+    def launch(self, op: Operation, done: Done) -> None:
+        pieces = op.pieces
+        views = [_view(piece) for piece in pieces]
+        first = views[0]
+        if first.is_cuda:
+            self._launch_cuda(op, views, done)
+            return
+        tensor = first if len(views) == 1 else torch.cat(views)
+        work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
+
+        def finish(future: torch.futures.Future) -> None:
+            try:
+                future.wait()
+                if len(views) > 1:
+                    self._scatter(tensor, views)
+            except BaseException as error:  # noqa: BLE001
+                done(error)
+                return
+            done(None)
+
+        work.get_future().add_done_callback(finish)
+
+    @staticmethod
+    def _scatter(fused: torch.Tensor, views: List[torch.Tensor]) -> None:
+        for view, part in zip(views, torch.split(fused, [v.numel() for v in views])):
+            view.copy_(part)
+
+    def _launch_cuda(self, op: Operation, views: List[torch.Tensor], done: Done) -> None:
+        stream = torch.cuda.current_stream(views[0].device)
+        for piece in op.pieces:
+            ready = piece.task.context
+            if ready is not None:
+                stream.wait_event(ready)
+        tensor = views[0] if len(views) == 1 else torch.cat(views)
+        work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
+        work.wait()  # the current stream waits for the collective; the host does not
+        if len(views) > 1:
+            self._scatter(tensor, views)
+        finished = torch.cuda.Event()
+        finished.record(stream)
+        # Keep the fused buffer alive until the copy back has run.
+        finished.fused_buffer = tensor  # type: ignore[attr-defined]
+        with self._cuda_lock:
+            waiter = self._cuda.get(op.lane)
+            if waiter is None:
+                waiter = self._cuda[op.lane] = _CudaCompletion(op.lane)
+        waiter.put(finished, done)
+
+    def close(self) -> None:
+        """Join this communicator's own threads (CUDA waiters); the groups stay cached."""
+        with self._cuda_lock:
+            waiters, self._cuda = list(self._cuda.values()), {}
+        for waiter in waiters:
+            waiter.close()

@@ -1,0 +1,141 @@
+"""A DDP communication hook that schedules each bucket's all-reduce.
+
+>>> state = ScheduledHookState()                                   # doctest: +SKIP
+>>> ddp_model.register_comm_hook(state, scheduled_allreduce_hook)   # doctest: +SKIP
+>>> ...                                                             # train as usual
+>>> state.close()                                                   # doctest: +SKIP
+
+Each bucket becomes one task: the core partitions it, merges small neighbours, keeps at
+most ``credit_bytes`` in flight and lets a later, higher-priority bucket overtake the
+remaining pieces of an earlier one. The result is the average, as with DDP's default hook
+(each rank divides by the group size, then the pieces are summed).
+"""
+
+
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core import Scheduler, SchedulerConfig, Task
+from ..core.config import Size
+from .comm import TorchCommunicator
+
+
+class ScheduledHookState:
+    """What :func:`scheduled_allreduce_hook` keeps between calls: the scheduler of one group.
+
+    Args:
+        process_group: the group to average over (default: the whole world). Creating the
+            state is collective over the default group, like ``dist.new_group``: processes
+            outside the group create one too, passing what ``dist.new_group`` returned to
+            them; theirs is inert.
+        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline: see
+            :class:`bytescheduler.core.SchedulerConfig`; None means the environment variable
+            (``BYTESCHEDULER_PARTITION``, ...) or the default.
+        model: optional; when given, a bucket's priority is the smallest position of its
+            parameters in ``model.parameters()`` (forward order for most models). Without
+            it, the bucket index is used in reverse: DDP numbers buckets in the order their
+            gradients become ready in backward, which is reverse forward order.
+
+    Call :meth:`close` (or use ``with``) on every rank when training ends.
+    """
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        partition_bytes: Optional[Size] = None,
+        credit_bytes: Optional[Size] = None,
+        merge: Optional[bool] = None,
+        fast_lane_bytes: Optional[Size] = None,
+        timeout: Optional[float] = None,
+        timeline: Optional[str] = None,
+        model: Optional[torch.nn.Module] = None,
+    ) -> None:
+        config = SchedulerConfig.resolve(
+            partition_bytes=partition_bytes,
+            credit_bytes=credit_bytes,
+            merge=merge,
+            fast_lane_bytes=fast_lane_bytes,
+            timeout=timeout,
+            timeline=timeline,
+        )
+        self.communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
+        self.scheduler: Optional[Scheduler] = None
+        self.world_size = 0
+        if self.communicator is not None:  # None on a process outside process_group
+            self.world_size = self.communicator.world_size
+            self.scheduler = Scheduler(
+                self.communicator, channel=self.communicator, rank=self.communicator.rank, config=config
+            )
+        self._positions: Optional[Dict[int, int]] = None
+        if model is not None:
+            self._positions = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def priority(self, bucket: dist.GradBucket) -> int:
+        """Lower goes sooner: the bucket's earliest parameter in forward order."""
+        if self._positions is not None:
+            found = [self._positions[id(p)] for p in bucket.parameters() if id(p) in self._positions]
+            if found:
+                return min(found)
+        return -bucket.index()
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the scheduler; every rank of the group calls it.
+
+        ``wait=True`` first finishes pending communication; ``wait=False`` abandons it
+        (after an exception in the training loop).
+        """
+        if self.scheduler is not None:
+            try:
+                self.scheduler.stop(wait=wait)
+            finally:
+                self.communicator.close()
+
+    def __enter__(self) -> "ScheduledHookState":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
+
+
+def scheduled_allreduce_hook(
+    state: ScheduledHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` across the group through bytescheduler's priority queue.
+
+    >>> ddp_model.register_comm_hook(ScheduledHookState(), scheduled_allreduce_hook)  # doctest: +SKIP
+    """
+    if state.scheduler is None:
+        raise RuntimeError("this process is not a member of the hook state's process group")
+    buffer = bucket.buffer()
+    buffer.div_(state.world_size)
+    ready = None
+    if buffer.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buffer.device))
+        outcome: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
+    else:
+        outcome = torch.futures.Future()
+    task = Task(
+        key=bucket.index(),
+        numel=buffer.numel(),
+        itemsize=buffer.element_size(),
+        priority=state.priority(bucket),
+        payload=buffer,
+        fuse_key=(buffer.dtype, buffer.device),
+        name=f"bucket{bucket.index()}",
+        context=ready,
+    )
+    communicated = state.scheduler.submit(task)
+    # DDP reads the future from C++, where only an error raised inside ``then`` counts as
+    # an error (a Python-side set_exception would reach DDP as a value it cannot cast).
+    communicated.add_done_callback(lambda done: outcome.set_result(done.exception() or buffer))
+    return outcome.then(_buffer_or_raise)
+
+
+def _buffer_or_raise(future: torch.futures.Future) -> torch.Tensor:
+    value = future.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value

@@ -1,0 +1,41 @@
+"""bytescheduler: a communication scheduler for data-parallel training (ByteScheduler, SOSP'19)."""
+
+import os
+import re
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def read(*parts):
+    with open(os.path.join(HERE, *parts), encoding="utf-8") as handle:
+        return handle.read()
+
+
+VERSION = re.search(r'^__version__ = "([^"]+)"', read("bytescheduler_py", "__init__.py"), re.M).group(1)
+
+setup(
+    name="bytescheduler",
+    version=VERSION,
+    description="Priority, partition, merge and credit scheduling of gradient communication "
+    "for PyTorch DDP, Horovod and MXNet",
+    long_description=read("README.md"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.9",
+    package_dir={"bytescheduler": "bytescheduler_py"},
+    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch"],
+    package_data={"bytescheduler": ["py.typed"]},
+    install_requires=[],
+    extras_require={
+        "torch": ["torch>=2.1"],
+        "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "numpy"],
+    },
+    entry_points={"console_scripts": ["bytescheduler=bytescheduler.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+    ],
+)

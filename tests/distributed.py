@@ -1,0 +1,110 @@
+"""Run a function on N real processes joined by torch.distributed gloo on 127.0.0.1.
+
+Every run has a deadline: when it passes, or when any rank fails, the processes this
+helper started are killed and the test fails with each rank's traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, results, env):
+    os.environ.update(env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+class RanksFailed(AssertionError):
+    pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    deadline: float = 120.0,
+    env: Dict[str, str] = None,
+    expect_failures: bool = False,
+) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
+
+    With ``expect_failures=True`` a rank's traceback is returned as its result (a string
+    starting with ``"ERROR\\n"``) instead of failing the run.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_child, args=(fn, rank, world_size, port, args, results, env or {}), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outcome: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+    end = time.monotonic() + deadline
+    try:
+        while len(outcome) + len(errors) < world_size:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                raise RanksFailed(
+                    f"deadline of {deadline} s passed; finished ranks: {sorted(outcome)}, "
+                    f"failed: {errors}"
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(processes)
+                        if p.exitcode not in (None, 0) and r not in outcome and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {processes[r].exitcode} without a result"
+                if dead and not expect_failures:
+                    raise RanksFailed(f"rank(s) died: {errors}")
+                continue
+            if status == "ok":
+                outcome[rank] = value
+            elif expect_failures:
+                errors[rank] = value
+            else:
+                raise RanksFailed(f"rank {rank} failed:\n{value}")
+        for process in processes:
+            process.join(timeout=max(1.0, end - time.monotonic()))
+            if process.is_alive():
+                raise RanksFailed(f"rank process {process.pid} did not exit after returning")
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+    merged = dict(outcome)
+    merged.update({rank: "ERROR\n" + text for rank, text in errors.items()})
+    return [merged[rank] for rank in range(world_size)]

@@ -1,0 +1,161 @@
+"""The scheduled DDP hook gives DDP's numbers, over real gloo processes."""
+
+import copy
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+STEPS = 50
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 8 * 8, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+def _train_pair(rank, world_size, options, reference):
+    """Train our hook's model and a reference side by side; return the largest differences."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+
+    ours = DDP(_model(), bucket_cap_mb=0.1)
+    theirs = DDP(_model(), bucket_cap_mb=0.1)
+    state = bsp.ScheduledHookState(**options)
+    ours.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+    if reference == "allreduce_hook":
+        theirs.register_comm_hook(None, default_hooks.allreduce_hook)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x = torch.randn(16, 3, 8, 8, generator=data)
+        y = torch.randint(0, 10, (16,), generator=data)
+        for model, optimizer in zip((ours, theirs), optimizers):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    state.close()
+    absolute = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    relative = max(
+        ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours.parameters(), theirs.parameters())
+    )
+    return absolute, relative, state.scheduler.stats
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_equals_ddp_default_within_1e6(world_size):
+    options = dict(partition_bytes=16 * 1024, credit_bytes=64 * 1024)
+    for absolute, relative, stats in run_ranks(
+        _train_pair, world_size, (options, "builtin"), deadline=180
+    ):
+        assert relative <= 1e-6, (absolute, relative)
+        assert stats["pieces"] > STEPS  # the hook ran every step, and partitioned
+        assert stats["peak_in_flight_bytes"] > 0
+
+
+def test_equals_allreduce_hook_exactly_on_two_ranks_with_partition_and_merge():
+    options = dict(partition_bytes=16 * 1024, credit_bytes=64 * 1024, merge=True)
+    for absolute, _, _ in run_ranks(_train_pair, 2, (options, "allreduce_hook"), deadline=180):
+        assert absolute == 0.0
+
+
+def test_equals_allreduce_hook_exactly_on_three_ranks_with_merging_off():
+    # With 3 ranks the sum order depends on where an all-reduce's chunks start, so
+    # exactness needs the same operation boundaries as DDP's: no merge, no partition.
+    options = dict(partition_bytes=1 << 30, merge=False)
+    for absolute, _, _ in run_ranks(_train_pair, 3, (options, "allreduce_hook"), deadline=180):
+        assert absolute == 0.0
+
+
+def _peer_dies(rank, world_size, how, timeout):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+
+    model = DDP(_model())
+    state = bsp.ScheduledHookState(timeout=timeout)
+    model.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+    x = torch.randn(4, 3, 8, 8)
+    for step in range(5):
+        if rank == 1 and step == 3:
+            if how == "hang":  # alive but silent: only a timeout can tell
+                time.sleep(3 * timeout)
+            os._exit(17)  # a peer dies in the middle of training
+        started = time.monotonic()
+        try:
+            model(x).sum().backward()
+            state.scheduler.check()
+        except Exception as error:  # noqa: BLE001
+            elapsed = time.monotonic() - started
+            state.close(wait=False)
+            return type(error).__name__, str(error), elapsed, step
+    return "no error", "", 0.0, -1
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_dead_peer_raises_within_timeout(how):
+    timeout = 6.0
+    results = run_ranks(_peer_dies, 2, (how, timeout), deadline=120, expect_failures=True)
+    assert results[1].startswith("ERROR") and "code 17" in results[1]
+    name, message, elapsed, step = results[0]
+    assert step == 3, results[0]
+    assert elapsed < timeout + 5, results[0]
+    assert "CommunicationError" in message or "CommunicationTimeout" in message, message
+    assert "peer" in message, message
+
+
+def _with_timeline(rank, world_size, path):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+
+    model = DDP(_model(), bucket_cap_mb=0.1)
+    with bsp.ScheduledHookState(timeline=path, partition_bytes="16KiB") as state:
+        model.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+        for _ in range(3):
+            model(torch.randn(4, 3, 8, 8)).sum().backward()
+    return True
+
+
+def test_timeline_one_valid_trace_per_rank(tmp_path):
+    path = str(tmp_path / "trace.json")
+    run_ranks(_with_timeline, 2, (path,), deadline=120)
+    for rank in range(2):
+        with open(tmp_path / f"trace.rank{rank}.json") as handle:
+            events = json.load(handle)
+        categories = {e.get("cat") for e in events}
+        assert {"task", "queue", "lane0"} <= categories or {"task", "queue", "lane1"} <= categories
+        assert all(e["pid"] == rank for e in events)
+        begins = sorted(e["id"] for e in events if e["ph"] == "b")
+        ends = sorted(e["id"] for e in events if e["ph"] == "e")
+        assert begins == ends and begins
+
+
+def _bad_config(rank, world_size):
+    import bytescheduler.pytorch as bsp
+
+    try:
+        bsp.ScheduledHookState(partition_bytes="four megabytes")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_bad_config_is_a_clear_value_error():
+    for message in run_ranks(_bad_config, 2, deadline=60):
+        assert "partition_bytes" in message and "4MB" in message
