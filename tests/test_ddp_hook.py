@@ -159,3 +159,44 @@ def _bad_config(rank, world_size):
 def test_bad_config_is_a_clear_value_error():
     for message in run_ranks(_bad_config, 2, deadline=60):
         assert "partition_bytes" in message and "4MB" in message
+
+
+def _two_models(rank, world_size):
+    """Two DDP models with a state each, trained in one loop (e.g. a GAN), then again."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+    from bytescheduler.pytorch import TorchCommunicator
+
+    differences = []
+    for _ in range(2):  # the second pass must reuse the groups of the first
+        pairs = []
+        states = []
+        for _ in range(2):
+            ours, theirs = DDP(_model(), bucket_cap_mb=0.05), DDP(_model(), bucket_cap_mb=0.05)
+            theirs.register_comm_hook(None, default_hooks.allreduce_hook)
+            state = bsp.ScheduledHookState(partition_bytes="8KiB", credit_bytes="32KiB")
+            ours.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+            states.append(state)
+            pairs.append((ours, theirs))
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(10):
+            x = torch.randn(8, 3, 8, 8, generator=data)
+            for ours, theirs in pairs:
+                for model in (ours, theirs):
+                    model.zero_grad()
+                    model(x).square().mean().backward()
+                differences.append(max((a.grad - b.grad).abs().max().item()
+                                       for a, b in zip(ours.parameters(), theirs.parameters())))
+        for state in states:
+            state.close()
+    pools = {key[1:]: len(pool) for key, pool in TorchCommunicator._pools.items()}
+    return max(differences), pools
+
+
+def test_two_states_at_once_and_reuse_of_groups():
+    for difference, pools in run_ranks(_two_models, 2, deadline=180):
+        assert difference == 0.0
+        # Two states were alive at once, so two communicators; the second pass reused them.
+        assert list(pools.values()) == [2], pools

@@ -52,6 +52,7 @@ def _skewed_iterations(rank, world_size, fast_lane_bytes):
                 )
                 checked += 1
         stats = scheduler.stats
+    communicator.release()
     return checked, stats
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, fields, replace
+from decimal import Decimal
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Union
 
 Size = Union[int, str]
@@ -55,7 +56,7 @@ def parse_size(value: Size, name: str) -> int:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"{name}={value!r} is not a size: use {SIZE_FORMS}")
-        number = math.floor(float(match.group(1)) * _UNITS[unit])
+        number = math.floor(Decimal(match.group(1)) * _UNITS[unit])
     else:
         raise ValueError(f"{name}={value!r} is not a size: use {SIZE_FORMS}")
     if number <= 0:
@@ -143,40 +144,44 @@ class SchedulerConfig:
         Keywords whose value is None are ignored, so adapters can pass their arguments through.
         """
         env = os.environ if environ is None else environ
-        known = {f.name for f in fields(cls)}
-        unknown = set(overrides) - known
-        if unknown:
-            raise TypeError(f"unknown scheduler option(s) {sorted(unknown)}; known: {sorted(known)}")
-        values: dict = {}
-        if env.get(ENV_PARTITION):
-            values["partition_bytes"] = parse_size(env[ENV_PARTITION], ENV_PARTITION)
-        if env.get(ENV_CREDIT):
-            values["credit_bytes"] = parse_size(env[ENV_CREDIT], ENV_CREDIT)
-        if env.get(ENV_MERGE):
-            values["merge"] = parse_bool(env[ENV_MERGE], ENV_MERGE)
-        if env.get(ENV_FAST_LANE):
-            values["fast_lane_bytes"] = parse_nonnegative_size(env[ENV_FAST_LANE], ENV_FAST_LANE)
-        if env.get(ENV_TIMEOUT):
-            values["timeout"] = parse_timeout(env[ENV_TIMEOUT], ENV_TIMEOUT)
-        if env.get(ENV_TIMELINE):
-            values["timeline"] = env[ENV_TIMELINE]
-        if ENV_DEBUG in env:
-            values["log_level"] = parse_log_level(env[ENV_DEBUG], ENV_DEBUG)
-
-        given = {k: v for k, v in overrides.items() if v is not None}
-        if "partition_bytes" in given:
-            given["partition_bytes"] = parse_size(given["partition_bytes"], "partition_bytes")
-        if "credit_bytes" in given:
-            given["credit_bytes"] = parse_size(given["credit_bytes"], "credit_bytes")
-        if "fast_lane_bytes" in given:
-            given["fast_lane_bytes"] = parse_nonnegative_size(given["fast_lane_bytes"], "fast_lane_bytes")
-        if "merge" in given:
-            given["merge"] = parse_bool(given["merge"], "merge")
-        if "timeout" in given:
-            given["timeout"] = parse_timeout(given["timeout"], "timeout")
-        if "log_level" in given:
-            given["log_level"] = parse_log_level(given["log_level"], "log_level")
-        if "timeline" in given:
-            given["timeline"] = os.fspath(given["timeline"])
-        values.update(given)
+        values = {
+            field: _PARSERS[field](env[name], name)
+            for name, field in _ENVIRONMENT.items()
+            # An empty BYTESCHEDULER_DEBUG means "off"; other empty variables are unset.
+            if env.get(name) or (name == ENV_DEBUG and name in env)
+        }
+        values.update(_parse_options(overrides))
         return replace(cls(), **values)
+
+    def with_options(self, **overrides: Any) -> "SchedulerConfig":
+        """A copy with the given keywords (None ones ignored) parsed and applied; no environment."""
+        return replace(self, **_parse_options(overrides))
+
+
+_PARSERS = {
+    "partition_bytes": parse_size,
+    "credit_bytes": parse_size,
+    "fast_lane_bytes": parse_nonnegative_size,
+    "merge": parse_bool,
+    "timeout": parse_timeout,
+    "log_level": parse_log_level,
+    "timeline": lambda value, name: os.fspath(value),
+}
+
+
+_ENVIRONMENT = {
+    ENV_PARTITION: "partition_bytes",
+    ENV_CREDIT: "credit_bytes",
+    ENV_MERGE: "merge",
+    ENV_FAST_LANE: "fast_lane_bytes",
+    ENV_TIMEOUT: "timeout",
+    ENV_TIMELINE: "timeline",
+    ENV_DEBUG: "log_level",
+}
+
+
+def _parse_options(overrides: Mapping[str, Any]) -> dict:
+    unknown = set(overrides) - set(_PARSERS)
+    if unknown:
+        raise TypeError(f"unknown scheduler option(s) {sorted(unknown)}; known: {sorted(_PARSERS)}")
+    return {name: _PARSERS[name](value, name) for name, value in overrides.items() if value is not None}

@@ -89,9 +89,7 @@ class Scheduler:
         if config is None:
             config = SchedulerConfig.resolve(**options)
         elif options:
-            config = SchedulerConfig.resolve(
-                **{**{k: getattr(config, k) for k in config.__dataclass_fields__}, **options}
-            )
+            config = config.with_options(**options)
         self.config = config
         self.rank = rank
         configure_logging(config.log_level, rank)
@@ -110,6 +108,7 @@ class Scheduler:
         self._generations: Dict[int, int] = {}
         self._op_ids = itertools.count()
         self._error: Optional[BaseException] = None
+        self._error_raised = False
         self._stopping = False
         self._abandon = threading.Event()
         self._closed = False
@@ -235,10 +234,17 @@ class Scheduler:
         if stuck:
             self._abandon.set()
             self._fail(CommunicationTimeout(f"rank {self.rank}: scheduler threads {stuck} did not stop in time"))
+        with self._cond:
+            abandoned = list(self._pending.values())
+            self._pending.clear()
+            self._in_flight.clear()  # late completions of abandoned work are ignored
+        closed = SchedulerClosed(f"rank {self.rank}: the scheduler was stopped before this task was communicated")
+        for task in abandoned:
+            task.future.set_exception(closed)
         if self._timeline is not None:
             self._timeline.close()
         logger.debug("scheduler epoch %d stopped: %s", self._epoch, self.stats)
-        if wait:
+        if wait and not self._error_raised:
             with self._cond:
                 self._raise_error()
 
@@ -265,6 +271,7 @@ class Scheduler:
 
     def _raise_error(self) -> None:
         if self._error is not None:
+            self._error_raised = True
             error = self._error
             raise type(error)(str(error)) from error
 
@@ -293,6 +300,8 @@ class Scheduler:
         failed = list(self._pending.values())
         self._pending.clear()
         self._heap.clear()
+        self._in_flight.clear()  # late completions of these are ignored
+        self._decided.clear()
         self._cond.notify_all()
         return failed
 
@@ -413,8 +422,7 @@ class Scheduler:
             for piece in op.pieces:
                 task = piece.task
                 task.remaining -= piece.stop - piece.start
-                if task.remaining == 0:
-                    del self._pending[(task.key, task.generation)]
+                if task.remaining == 0 and self._pending.pop((task.key, task.generation), None):
                     finished.append(task)
             self._cond.notify_all()
         if self._timeline is not None:

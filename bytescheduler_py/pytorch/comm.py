@@ -82,21 +82,26 @@ class TorchCommunicator:
     """
 
     num_lanes = 2
-    _cache: Dict[tuple, Optional["TorchCommunicator"]] = {}
-    _cache_lock = threading.Lock()
+    # Per (world, ranks, backend, timeout): communicators by index, None where this
+    # process is not a member. Indices agree on every process.
+    _pools: Dict[tuple, List[Optional["TorchCommunicator"]]] = {}
+    _pools_lock = threading.Lock()
     _keepalive: List[Any] = []
 
     @classmethod
     def for_group(
         cls, process_group: Optional[dist.ProcessGroup] = None, timeout: float = 300.0
     ) -> Optional["TorchCommunicator"]:
-        """The shared communicator of ``process_group`` (default: the whole world).
+        """Claim a communicator for ``process_group`` (default: the whole world).
 
         Collective over the default group, like ``dist.new_group``: every process calls
         it, in the same order. A process outside ``process_group`` passes what
         ``dist.new_group`` returned to it (``GroupMember.NON_GROUP_MEMBER``) and gets None.
-        Processes may pass different groups (e.g. disjoint data-parallel groups): the
-        groups of every set of ranks are created once, on all processes, and reused.
+        Processes may pass different groups (e.g. disjoint data-parallel groups).
+
+        A communicator serves one scheduler at a time (two schedulers on the same groups
+        could issue in different orders on different ranks); :meth:`release` returns it
+        for reuse, so groups are created only when every earlier one is still claimed.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -105,23 +110,35 @@ class TorchCommunicator:
             )
         world = dist.group.WORLD
         group = world if process_group is None else process_group
-        if group == dist.GroupMember.NON_GROUP_MEMBER:
-            mine = None
-        else:
-            mine = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group), float(timeout))
-        # Every process learns which groups the others want, so all create the same groups
-        # in the same order (group creation is collective over the default group).
-        wanted: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(wanted, mine)
-        with cls._cache_lock:
-            for spec in sorted({spec for spec in wanted if spec is not None}):
-                key = (id(world),) + spec
-                if key not in cls._cache:
+        mine = None
+        report = None
+        with cls._pools_lock:
+            if group != dist.GroupMember.NON_GROUP_MEMBER:
+                mine = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group), float(timeout))
+                pool = cls._pools.get((id(world),) + mine, [])
+                report = (mine, tuple(i for i, c in enumerate(pool) if c is not None and not c.claimed))
+        # Every process learns what the others want and have free, so all pick the same
+        # communicator and create the same groups in the same order.
+        reports: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        chosen = None
+        with cls._pools_lock:
+            for spec in sorted({r[0] for r in reports if r is not None}):
+                pool = cls._pools.setdefault((id(world),) + spec, [])
+                free = [set(r[1]) for r in reports if r is not None and r[0] == spec]
+                common = set.intersection(*free)
+                if common:
+                    index = min(common)
+                else:
                     ranks, backend, seconds = spec
-                    communicator = cls(list(ranks), backend, seconds)
-                    cls._cache[key] = communicator if communicator.rank >= 0 else None
+                    created = cls(list(ranks), backend, seconds)
+                    pool.append(created if created.rank >= 0 else None)
                     cls._keepalive.append(world)  # the id in the key must not be reused
-            return None if mine is None else cls._cache[(id(world),) + mine]
+                    index = len(pool) - 1
+                if spec == mine:
+                    chosen = pool[index]
+                    chosen.claimed = True
+        return chosen
 
     def __init__(self, ranks: List[int], backend: str, timeout: float) -> None:
         """Create the lanes and the control group over ``ranks`` (collective, see for_group)."""
@@ -138,6 +155,7 @@ class TorchCommunicator:
         self._receive_buffer = torch.zeros(_FRAME_WORDS, dtype=torch.int64)
         self._epochs = itertools.count()
         self.broken = False
+        self.claimed = False
         self._cuda: Dict[int, _CudaCompletion] = {}
         self._cuda_lock = threading.Lock()
 
@@ -244,9 +262,14 @@ class TorchCommunicator:
                 waiter = self._cuda[op.lane] = _CudaCompletion(op.lane)
         waiter.put(finished, done)
 
-    def close(self) -> None:
-        """Join this communicator's own threads (CUDA waiters); the groups stay cached."""
+    def release(self) -> None:
+        """Join this communicator's own threads (CUDA waiters) and free it for reuse.
+
+        Call it after the scheduler using it stopped; its groups stay alive for the next.
+        """
         with self._cuda_lock:
             waiters, self._cuda = list(self._cuda.values()), {}
         for waiter in waiters:
             waiter.close()
+        with self._pools_lock:
+            self.claimed = False

@@ -90,7 +90,7 @@ class ScheduledHookState:
             try:
                 self.scheduler.stop(wait=wait)
             finally:
-                self.communicator.close()
+                self.communicator.release()
 
     def __enter__(self) -> "ScheduledHookState":
         return self

@@ -1,0 +1,105 @@
+"""Synthetic-data benchmark of PyTorch DDP with bytescheduler's communication hook.
+
+    torchrun --nproc_per_node 2 examples/pytorch_ddp_hook.py --model vgg
+    torchrun --nproc_per_node 2 examples/pytorch_ddp_hook.py --model vgg --no-bytescheduler
+
+Runs on CPU with gloo (or on GPUs with NCCL when CUDA is available; untested by us).
+Prints the median time per iteration over blocks of iterations, and samples per second.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bytescheduler.pytorch as bsp
+
+
+def build(name: str) -> nn.Module:
+    if name == "vgg":  # conv [64,64,M,128,128,M,256,256,M] + 6x Linear(2048), 32x32 input
+        layers, channels = [], 3
+        for out in (64, 64, "M", 128, 128, "M", 256, 256, "M"):
+            if out == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU(inplace=True)]
+                channels = out
+        layers += [nn.Flatten(), nn.Linear(256 * 4 * 4, 2048), nn.ReLU(inplace=True)]
+        for _ in range(4):
+            layers += [nn.Linear(2048, 2048), nn.ReLU(inplace=True)]
+        layers.append(nn.Linear(2048, 10))
+        return nn.Sequential(*layers)
+    if name == "mlp":  # 3072 -> 8x Linear(2048) -> 10
+        layers, width = [nn.Flatten()], 3072
+        for _ in range(8):
+            layers += [nn.Linear(width, 2048), nn.ReLU(inplace=True)]
+            width = 2048
+        layers.append(nn.Linear(width, 10))
+        return nn.Sequential(*layers)
+    if name == "tiny":  # for smoke tests
+        return nn.Sequential(nn.Flatten(), nn.Linear(3072, 64), nn.ReLU(), nn.Linear(64, 10))
+    raise SystemExit(f"unknown --model {name!r}: use vgg, mlp or tiny")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vgg", help="vgg, mlp or tiny")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-warmup-batches", type=int, default=3)
+    parser.add_argument("--num-batches-per-iter", type=int, default=5, help="iterations per timed block")
+    parser.add_argument("--num-iters", type=int, default=5, help="timed blocks")
+    parser.add_argument("--partition", default=None, help="partition size, e.g. 4MiB")
+    parser.add_argument("--credit", default=None, help="credit size, e.g. 16MiB")
+    parser.add_argument("--no-bytescheduler", action="store_true", help="DDP's default all-reduce")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DDP(build(args.model).to(device))
+    state = None
+    if not args.no_bytescheduler:
+        state = bsp.ScheduledHookState(partition_bytes=args.partition, credit_bytes=args.credit)
+        model.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(args.batch_size, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (args.batch_size,), device=device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(args.num_warmup_batches):
+        step()
+    blocks = []
+    for _ in range(args.num_iters):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(args.num_batches_per_iter):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        blocks.append((time.perf_counter() - started) / args.num_batches_per_iter)
+    if state is not None:
+        state.close()
+    median = statistics.median(blocks)
+    if rank == 0:
+        system = "DDP default" if args.no_bytescheduler else "DDP + bytescheduler hook"
+        print(f"{system}: model {args.model}, {dist.get_world_size()} ranks, "
+              f"median {median:.4f} s/iter, {args.batch_size * dist.get_world_size() / median:.1f} samples/s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

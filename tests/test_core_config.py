@@ -1,0 +1,282 @@
+"""Configuration: sizes, environment variables, keyword precedence and error messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import pytest
+
+from bytescheduler.core import Scheduler, SchedulerConfig, parse_size
+from tests.fakes import WAIT, FakeBackend, make_task
+
+ENV_NAMES = [
+    "BYTESCHEDULER_PARTITION",
+    "BYTESCHEDULER_CREDIT",
+    "BYTESCHEDULER_TIMELINE",
+    "BYTESCHEDULER_DEBUG",
+    "BYTESCHEDULER_TIMEOUT",
+    "BYTESCHEDULER_MERGE",
+    "BYTESCHEDULER_FAST_LANE",
+]
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def resolve(env=None, **overrides):
+    return SchedulerConfig.resolve(environ=env or {}, **overrides)
+
+
+# ---------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4MB", 4_000_000),
+        ("4MiB", 4 * 1024**2),
+        ("512KiB", 512 * 1024),
+        ("1GB", 10**9),
+        ("1GiB", 1024**3),
+        ("4mb", 4_000_000),
+        ("4 MB", 4_000_000),
+        (" 64KB ", 64_000),
+        ("4M", 4_000_000),
+        ("4k", 4_000),
+        ("100", 100),
+        ("100B", 100),
+        ("1.5KiB", 1536),
+        ("0.5MB", 500_000),
+        (4096, 4096),
+        (1, 1),
+    ],
+)
+def test_parse_size_accepts(text, expected):
+    assert parse_size(text, "partition_bytes") == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("4.1MB", 4_100_000), ("2.01KB", 2010), ("8.2MB", 8_200_000), ("0.57KB", 570), ("1.1MB", 1_100_000)],
+)
+def test_parse_size_decimal_sizes_are_exact(text, expected):
+    # A decimal size that names a whole number of bytes must give exactly that number.
+    assert parse_size(text, "partition_bytes") == expected
+
+
+@pytest.mark.parametrize("value", ["", "lots", "4TB", "-5", "-5MB", "4 M B", "1e6", "0x10", "MB", 4.0, None, True, [4]])
+def test_parse_size_rejects(value):
+    with pytest.raises(ValueError) as info:
+        parse_size(value, "credit_bytes")
+    message = str(info.value)
+    assert "credit_bytes" in message
+    assert "4MiB" in message and "512KiB" in message  # names the accepted forms
+
+
+@pytest.mark.parametrize("value", [0, "0", "0MB", "0.4"])
+def test_parse_size_rejects_zero(value):
+    with pytest.raises(ValueError, match="credit_bytes.*positive"):
+        parse_size(value, "credit_bytes")
+
+
+# ---------------------------------------------------------------------------- defaults and env
+
+
+def test_defaults():
+    config = resolve()
+    assert config == SchedulerConfig()
+    assert config.partition_bytes == 4 * 1024**2
+    assert config.credit_bytes == 16 * 1024**2
+    assert config.merge is True
+    assert config.fast_lane_bytes == 1024**2
+    assert config.timeout == 300.0
+    assert config.timeline is None and config.log_level is None
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SchedulerConfig().partition_bytes = 1
+
+
+def test_environment_values():
+    config = resolve({
+        "BYTESCHEDULER_PARTITION": "1MB",
+        "BYTESCHEDULER_CREDIT": "8MiB",
+        "BYTESCHEDULER_TIMELINE": "/tmp/trace.json",
+        "BYTESCHEDULER_DEBUG": "1",
+        "BYTESCHEDULER_TIMEOUT": "2.5",
+        "BYTESCHEDULER_MERGE": "off",
+        "BYTESCHEDULER_FAST_LANE": "64KiB",
+    })
+    assert config.partition_bytes == 1_000_000
+    assert config.credit_bytes == 8 * 1024**2
+    assert config.timeline == "/tmp/trace.json"
+    assert config.log_level == 10
+    assert config.timeout == 2.5
+    assert config.merge is False
+    assert config.fast_lane_bytes == 64 * 1024
+
+
+def test_empty_environment_values_are_ignored():
+    config = resolve({name: "" for name in ENV_NAMES})
+    assert config == SchedulerConfig()
+
+
+def test_keywords_override_environment():
+    env = {"BYTESCHEDULER_PARTITION": "1MB", "BYTESCHEDULER_CREDIT": "2MB", "BYTESCHEDULER_MERGE": "0",
+           "BYTESCHEDULER_TIMEOUT": "7", "BYTESCHEDULER_DEBUG": "info", "BYTESCHEDULER_FAST_LANE": "0",
+           "BYTESCHEDULER_TIMELINE": "/tmp/env.json"}
+    config = resolve(env, partition_bytes="2MiB", credit_bytes=12345, merge=True, timeout=3,
+                     log_level="error", fast_lane_bytes="1KB", timeline=pathlib.Path("/tmp/kw.json"))
+    assert config.partition_bytes == 2 * 1024**2
+    assert config.credit_bytes == 12345
+    assert config.merge is True
+    assert config.timeout == 3.0
+    assert config.log_level == 40
+    assert config.fast_lane_bytes == 1000
+    assert config.timeline == "/tmp/kw.json" and isinstance(config.timeline, str)
+
+
+def test_none_keywords_leave_environment_in_force():
+    env = {"BYTESCHEDULER_PARTITION": "1MB", "BYTESCHEDULER_MERGE": "false"}
+    config = resolve(env, partition_bytes=None, merge=None, timeline=None)
+    assert config.partition_bytes == 1_000_000 and config.merge is False and config.timeline is None
+
+
+def test_os_environ_is_the_default(monkeypatch):
+    monkeypatch.setenv("BYTESCHEDULER_CREDIT", "3KiB")
+    assert SchedulerConfig.resolve().credit_bytes == 3072
+    assert SchedulerConfig.resolve(environ={}).credit_bytes == SchedulerConfig().credit_bytes
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="partition_size"):
+        resolve(partition_size=10)
+
+
+# ---------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize("name", ["BYTESCHEDULER_PARTITION", "BYTESCHEDULER_CREDIT"])
+@pytest.mark.parametrize("value", ["big", "-1", "0", "12 parsecs"])
+def test_bad_size_in_environment_names_the_variable(name, value):
+    with pytest.raises(ValueError) as info:
+        resolve({name: value})
+    assert name in str(info.value)
+    assert "4MB" in str(info.value)
+
+
+def test_fast_lane_zero_turns_it_off_but_garbage_is_rejected():
+    assert resolve({"BYTESCHEDULER_FAST_LANE": "0"}).fast_lane_bytes == 0
+    assert resolve(fast_lane_bytes=0).fast_lane_bytes == 0
+    with pytest.raises(ValueError, match="BYTESCHEDULER_FAST_LANE"):
+        resolve({"BYTESCHEDULER_FAST_LANE": "-1"})
+    with pytest.raises(ValueError, match="fast_lane_bytes"):
+        resolve(fast_lane_bytes="fast")
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                             ("0", False), ("False", False), ("no", False), ("off", False)])
+def test_merge_booleans(value, expected):
+    assert resolve({"BYTESCHEDULER_MERGE": value}).merge is expected
+    assert resolve(merge=value).merge is expected
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "y", "enabled"])
+def test_bad_boolean(value):
+    with pytest.raises(ValueError) as info:
+        resolve({"BYTESCHEDULER_MERGE": value})
+    assert "BYTESCHEDULER_MERGE" in str(info.value) and "true/false" in str(info.value)
+    with pytest.raises(ValueError, match="merge="):
+        resolve(merge=value)
+
+
+@pytest.mark.parametrize("value, expected", [("2.5", 2.5), ("10", 10.0), ("0.01", 0.01)])
+def test_timeouts(value, expected):
+    assert resolve({"BYTESCHEDULER_TIMEOUT": value}).timeout == expected
+    assert resolve(timeout=value).timeout == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon", "1s"])
+def test_bad_timeout(value):
+    with pytest.raises(ValueError) as info:
+        resolve({"BYTESCHEDULER_TIMEOUT": value})
+    assert "BYTESCHEDULER_TIMEOUT" in str(info.value) and "positive number of seconds" in str(info.value)
+    with pytest.raises(ValueError, match="timeout="):
+        resolve(timeout=value)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("1", 10), ("true", 10), ("0", None), ("", None), ("off", None), ("DEBUG", 10), ("info", 20),
+     ("Warning", 30), ("warn", 30), ("ERROR", 40), ("critical", 50), ("25", 25)],
+)
+def test_log_levels(value, expected):
+    assert resolve({"BYTESCHEDULER_DEBUG": value}).log_level == expected
+
+
+@pytest.mark.parametrize("value", ["verbose", "-5", "2.5", "loud"])
+def test_bad_log_level(value):
+    with pytest.raises(ValueError) as info:
+        resolve({"BYTESCHEDULER_DEBUG": value})
+    assert "BYTESCHEDULER_DEBUG" in str(info.value) and "DEBUG" in str(info.value) and "1 (debug)" in str(info.value)
+    with pytest.raises(ValueError, match="log_level="):
+        resolve(log_level=value)
+
+
+@pytest.mark.parametrize("option", ["partition_bytes", "credit_bytes"])
+def test_bad_keyword_size_names_the_keyword(option):
+    with pytest.raises(ValueError, match=option):
+        resolve(**{option: "huge"})
+    with pytest.raises(ValueError, match=option):
+        resolve(**{option: True})
+    with pytest.raises(ValueError, match=option):
+        resolve(**{option: 0})
+
+
+# ---------------------------------------------------------------------------- the scheduler's config
+
+
+def test_scheduler_reads_environment_and_keywords(monkeypatch):
+    monkeypatch.setenv("BYTESCHEDULER_PARTITION", "100")
+    monkeypatch.setenv("BYTESCHEDULER_MERGE", "0")
+    backend = FakeBackend("immediate")
+    with Scheduler(backend, credit_bytes="1KB") as s:
+        assert s.config.partition_bytes == 100 and s.config.merge is False and s.config.credit_bytes == 1000
+        s.submit(make_task(0, 250)).result(timeout=WAIT)
+    assert [r.nbytes for r in backend.ops] == [100, 100, 50]
+
+
+def test_scheduler_rejects_bad_environment(monkeypatch):
+    monkeypatch.setenv("BYTESCHEDULER_CREDIT", "plenty")
+    with pytest.raises(ValueError, match="BYTESCHEDULER_CREDIT"):
+        Scheduler(FakeBackend("immediate"))
+
+
+def test_scheduler_with_explicit_config_ignores_environment(monkeypatch):
+    monkeypatch.setenv("BYTESCHEDULER_PARTITION", "100")
+    config = SchedulerConfig(partition_bytes=1000, merge=False)
+    with Scheduler(FakeBackend("immediate"), config=config) as s:
+        assert s.config == config
+
+
+def test_scheduler_config_plus_keyword_keeps_the_rest_of_the_config(monkeypatch, tmp_path):
+    """Passing a config and one keyword must change that keyword only.
+
+    Fields the explicit config leaves at None (timeline, log_level) must not be taken from
+    the environment just because a keyword was also given.
+    """
+    monkeypatch.setenv("BYTESCHEDULER_PARTITION", "100")
+    monkeypatch.setenv("BYTESCHEDULER_TIMELINE", str(tmp_path / "from-env.json"))
+    config = SchedulerConfig(partition_bytes=1000, credit_bytes=5000, timeout=9.0)
+    s = Scheduler(FakeBackend("immediate"), config=config, merge=False)
+    try:
+        assert s.config == dataclasses.replace(config, merge=False)
+    finally:
+        s.stop()
+    assert os.listdir(tmp_path) == []
