@@ -127,7 +127,7 @@ class Scheduler:
         logger.debug("scheduler epoch %d starts as %s: %s", self._epoch, role, config)
         self._threads = [
             threading.Thread(
-                target=self._run_leader if self._leader else self._run_follower,
+                target=self._run_dispatch,
                 name=f"bytescheduler-dispatch-r{rank}",
                 daemon=True,
             )
@@ -373,7 +373,9 @@ class Scheduler:
         self._in_flight[op.op_id] = op
         return op
 
-    def _run_leader(self) -> None:
+    def _run_dispatch(self) -> None:
+        """The dispatcher thread: take what may go now, publish it (leader), launch it."""
+        take = self._take_ops if self._leader else self._take_decided
         try:
             while True:
                 with self._cond:
@@ -381,18 +383,17 @@ class Scheduler:
                         if self._abandon.is_set():
                             return
                         now = time.perf_counter()
-                        ops = self._take_ops()
-                        if ops:
-                            break
-                        if self._stopping and not self._pending and not self._in_flight:
+                        ops = take()
+                        if ops or self._drained():
                             break
                         self._check_deadlines(now)
                         self._sleep(_WATCH_INTERVAL)
+                publish = self._leader and self._channel is not None
                 if not ops:
-                    if self._channel is not None:
+                    if publish:
                         self._channel.publish(encode_stop(self._epoch))
                     return
-                if self._channel is not None:
+                if publish:
                     decisions = [
                         (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
                         for op in ops
@@ -401,6 +402,20 @@ class Scheduler:
                 self._launch(ops, now)
         except BaseException as error:  # noqa: BLE001 - any failure must reach the user
             self._fail(error)
+
+    def _drained(self) -> bool:
+        """True once stopping and nothing is left to do (lock held)."""
+        if self._leader:
+            return self._stopping and not self._pending and not self._in_flight
+        if self._stop_received and not self._decided and not self._in_flight:
+            if self._pending:
+                raise MismatchError(
+                    f"rank {self.rank}: rank 0 stopped while this rank still had "
+                    f"{len(self._pending)} tensor(s) to communicate; every rank "
+                    "must submit the same tensors"
+                )
+            return True
+        return False
 
     def _launch(self, ops: List[Operation], now: float) -> None:
         for op in ops:
@@ -473,7 +488,7 @@ class Scheduler:
         except BaseException as error:  # noqa: BLE001
             self._fail(error)
 
-    def _take_decided(self, now: float) -> List[Operation]:
+    def _take_decided(self) -> List[Operation]:
         """Turn decided operations whose tensors are ready here into operations, in order."""
         ops: List[Operation] = []
         while self._decided:
@@ -503,28 +518,3 @@ class Scheduler:
             self._credit.take(op.nbytes)
             ops.append(op)
         return ops
-
-    def _run_follower(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while True:
-                        if self._abandon.is_set():
-                            return
-                        now = time.perf_counter()
-                        ops = self._take_decided(now)
-                        if ops:
-                            break
-                        if self._stop_received and not self._decided and not self._in_flight:
-                            if self._pending:
-                                raise MismatchError(
-                                    f"rank {self.rank}: rank 0 stopped while this rank still had "
-                                    f"{len(self._pending)} tensor(s) to communicate; every rank "
-                                    "must submit the same tensors"
-                                )
-                            return
-                        self._check_deadlines(now)
-                        self._sleep(_WATCH_INTERVAL)
-                self._launch(ops, now)
-        except BaseException as error:  # noqa: BLE001
-            self._fail(error)
