@@ -21,24 +21,6 @@ from datetime import timedelta
 from typing import Dict, List
 
 
-def _vgg_like(width: int = 32, hidden: int = 1024, classes: int = 10):
-    import torch.nn as nn
-
-    layers: List[nn.Module] = []
-    channels = 3
-    for out in (width, width, "M", 2 * width, 2 * width, "M", 4 * width, 4 * width, "M"):
-        if out == "M":
-            layers.append(nn.MaxPool2d(2))
-        else:
-            layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU(inplace=True)]
-            channels = out
-    layers += [nn.Flatten(), nn.Linear(channels * 4 * 4, hidden), nn.ReLU(inplace=True)]
-    for _ in range(3):
-        layers += [nn.Linear(hidden, hidden), nn.ReLU(inplace=True)]
-    layers.append(nn.Linear(hidden, classes))
-    return nn.Sequential(*layers)
-
-
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
     import torch
     import torch.distributed as dist
@@ -50,10 +32,12 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=120))
+        from .models import build
+
         torch.manual_seed(0)
-        plain = DDP(_vgg_like())
+        plain = DDP(build("vgg-small")[0])
         torch.manual_seed(0)
-        scheduled = DDP(_vgg_like())
+        scheduled = DDP(build("vgg-small")[0])
         state = bsp.ScheduledHookState(partition_bytes=args.partition, credit_bytes=args.credit)
         scheduled.register_comm_hook(state, bsp.scheduled_allreduce_hook)
         systems = {"DDP default": plain, "DDP + scheduled hook": scheduled}

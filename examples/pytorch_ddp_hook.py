@@ -17,37 +17,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bytescheduler.pytorch as bsp
-
-
-def build(name: str) -> nn.Module:
-    if name == "vgg":  # conv [64,64,M,128,128,M,256,256,M] + 6x Linear(2048), 32x32 input
-        layers, channels = [], 3
-        for out in (64, 64, "M", 128, 128, "M", 256, 256, "M"):
-            if out == "M":
-                layers.append(nn.MaxPool2d(2))
-            else:
-                layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU(inplace=True)]
-                channels = out
-        layers += [nn.Flatten(), nn.Linear(256 * 4 * 4, 2048), nn.ReLU(inplace=True)]
-        for _ in range(4):
-            layers += [nn.Linear(2048, 2048), nn.ReLU(inplace=True)]
-        layers.append(nn.Linear(2048, 10))
-        return nn.Sequential(*layers)
-    if name == "mlp":  # 3072 -> 8x Linear(2048) -> 10
-        layers, width = [nn.Flatten()], 3072
-        for _ in range(8):
-            layers += [nn.Linear(width, 2048), nn.ReLU(inplace=True)]
-            width = 2048
-        layers.append(nn.Linear(width, 10))
-        return nn.Sequential(*layers)
-    if name == "tiny":  # for smoke tests
-        return nn.Sequential(nn.Flatten(), nn.Linear(3072, 64), nn.ReLU(), nn.Linear(64, 10))
-    raise SystemExit(f"unknown --model {name!r}: use vgg, mlp or tiny")
+from bytescheduler.models import MODELS, build
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="vgg", help="vgg, mlp or tiny")
+    parser.add_argument("--model", default="vgg", choices=MODELS)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-warmup-batches", type=int, default=3)
     parser.add_argument("--num-batches-per-iter", type=int, default=5, help="iterations per timed block")
@@ -66,14 +41,15 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = DDP(build(args.model).to(device))
+    network, make_batch = build(args.model)
+    model = DDP(network.to(device))
     state = None
     if not args.no_bytescheduler:
         state = bsp.ScheduledHookState(partition_bytes=args.partition, credit_bytes=args.credit)
         model.register_comm_hook(state, bsp.scheduled_allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(args.batch_size, 3, 32, 32, device=device)
-    y = torch.randint(0, 10, (args.batch_size,), device=device)
+    x, y = make_batch(args.batch_size, torch.Generator().manual_seed(rank))
+    x, y = x.to(device), y.to(device)
 
     def step() -> None:
         optimizer.zero_grad()

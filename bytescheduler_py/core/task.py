@@ -105,6 +105,7 @@ class Task:
         "ready_time",
         "name",
         "context",
+        "writes",
     )
 
     def __init__(
@@ -130,6 +131,9 @@ class Task:
         self.ready_time = 0.0
         self.name = name if name is not None else f"key{self.key}"
         self.context = context
+        # In-place writes the backend made to the payload besides communicating into it
+        # (e.g. copying a fused result back): adapters compare tensor versions with it.
+        self.writes = 0
 
     @property
     def nbytes(self) -> int:

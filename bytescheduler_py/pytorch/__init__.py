@@ -1,4 +1,4 @@
-"""PyTorch adapters: the DDP communication hook and the torch.distributed backend.
+"""PyTorch adapters: ScheduledOptimizer, the DDP communication hook, the torch.distributed backend.
 
 >>> import bytescheduler.pytorch as bsp                                     # doctest: +SKIP
 >>> ddp_model.register_comm_hook(bsp.ScheduledHookState(), bsp.scheduled_allreduce_hook)  # doctest: +SKIP
@@ -6,5 +6,13 @@
 
 from .comm import TorchCommunicator
 from .ddp_hook import ScheduledHookState, scheduled_allreduce_hook
+from .optimizer import ScheduledOptimizer
+from .overlap import GradientError
 
-__all__ = ["ScheduledHookState", "TorchCommunicator", "scheduled_allreduce_hook"]
+__all__ = [
+    "GradientError",
+    "ScheduledHookState",
+    "ScheduledOptimizer",
+    "TorchCommunicator",
+    "scheduled_allreduce_hook",
+]

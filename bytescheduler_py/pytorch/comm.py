@@ -228,7 +228,7 @@ class TorchCommunicator:
             try:
                 future.wait()
                 if len(views) > 1:
-                    self._scatter(tensor, views)
+                    self._scatter(tensor, views, pieces)
             except BaseException as error:  # noqa: BLE001
                 done(error)
                 return
@@ -237,9 +237,10 @@ class TorchCommunicator:
         work.get_future().add_done_callback(finish)
 
     @staticmethod
-    def _scatter(fused: torch.Tensor, views: List[torch.Tensor]) -> None:
-        for view, part in zip(views, torch.split(fused, [v.numel() for v in views])):
+    def _scatter(fused: torch.Tensor, views: List[torch.Tensor], pieces) -> None:
+        for view, part, piece in zip(views, torch.split(fused, [v.numel() for v in views]), pieces):
             view.copy_(part)
+            piece.task.writes += 1
 
     def _launch_cuda(self, op: Operation, views: List[torch.Tensor], done: Done) -> None:
         stream = torch.cuda.current_stream(views[0].device)
@@ -251,7 +252,7 @@ class TorchCommunicator:
         work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
         work.wait()  # the current stream waits for the collective; the host does not
         if len(views) > 1:
-            self._scatter(tensor, views)
+            self._scatter(tensor, views, op.pieces)
         finished = torch.cuda.Event()
         finished.record(stream)
         # Keep the fused buffer alive until the copy back has run.

@@ -1,0 +1,147 @@
+"""Small synthetic-data models for the demo, the examples, the tests and the benchmarks.
+
+Each builder returns ``(model, make_batch)`` where ``make_batch(batch_size, generator)``
+returns ``(inputs, targets)`` for ``torch.nn.functional.cross_entropy(model(inputs), targets)``.
+
+>>> model, make_batch = build("tiny")
+>>> x, y = make_batch(4, torch.Generator().manual_seed(0))
+>>> tuple(model(x).shape)
+(4, 10)
+"""
+
+from typing import Callable, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Batch = Callable[[int, torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _images(channels: int = 3, size: int = 32, classes: int = 10) -> Batch:
+    def make(batch_size: int, generator: torch.Generator):
+        x = torch.randn(batch_size, channels, size, size, generator=generator)
+        return x, torch.randint(0, classes, (batch_size,), generator=generator)
+    return make
+
+
+def vgg_like(width: int = 64, hidden: int = 2048, fc_layers: int = 6) -> nn.Module:
+    """conv [w, w, M, 2w, 2w, M, 4w, 4w, M] + ``fc_layers`` hidden Linear layers + a classifier; 30.5M parameters by default."""
+    layers, channels = [], 3
+    for out in (width, width, "M", 2 * width, 2 * width, "M", 4 * width, 4 * width, "M"):
+        if out == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU(inplace=True)]
+            channels = out
+    layers += [nn.Flatten(), nn.Linear(channels * 4 * 4, hidden), nn.ReLU(inplace=True)]
+    for _ in range(fc_layers - 1):
+        layers += [nn.Linear(hidden, hidden), nn.ReLU(inplace=True)]
+    layers.append(nn.Linear(hidden, 10))
+    return nn.Sequential(*layers)
+
+
+def mlp(width: int = 2048, layers: int = 8) -> nn.Module:
+    """3072 -> ``layers`` x Linear(width) -> 10; 35.7M parameters by default."""
+    modules, features = [nn.Flatten()], 3 * 32 * 32
+    for _ in range(layers):
+        modules += [nn.Linear(features, width), nn.ReLU(inplace=True)]
+        features = width
+    modules.append(nn.Linear(features, 10))
+    return nn.Sequential(*modules)
+
+
+class _Residual(nn.Module):
+    def __init__(self, channels: int, stride: int) -> None:
+        super().__init__()
+        out = channels * stride
+        self.conv1 = nn.Conv2d(channels, out, 3, stride=stride, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(out, out, 3, padding=1, bias=False)
+        self.skip = nn.Conv2d(channels, out, 1, stride=stride, bias=False) if stride > 1 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv2(F.relu(self.conv1(x))) + self.skip(x))
+
+
+def resnet_like(width: int = 32, blocks: int = 3) -> nn.Module:
+    """A small residual CNN (no batch norm, so results do not depend on buffers)."""
+    layers = [nn.Conv2d(3, width, 3, padding=1), nn.ReLU(inplace=True)]
+    channels = width
+    for stage in range(blocks):
+        stride = 1 if stage == 0 else 2
+        layers.append(_Residual(channels, stride))
+        channels *= stride
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
+    return nn.Sequential(*layers)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        causal = torch.triu(torch.ones(length, length, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT2Like(nn.Module):
+    """A small GPT-2-shaped language model whose output head is the token embedding (tied).
+
+    The tied weight is used twice: by the embedding's own forward and, outside any
+    module's forward, by the logits ``h @ wte.weight.T``; the position embedding is read
+    directly (``wpe.weight[:T]``) and its module's forward never runs.
+    """
+
+    def __init__(self, vocab: int = 512, dim: int = 64, heads: int = 4, layers: int = 2, length: int = 32) -> None:
+        super().__init__()
+        self.length = length
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(length, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.wte(tokens) + self.wpe.weight[:length]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return logits.reshape(-1, logits.shape[-1])
+
+
+def _tokens(vocab: int, length: int) -> Batch:
+    def make(batch_size: int, generator: torch.Generator):
+        tokens = torch.randint(0, vocab, (batch_size, length + 1), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    return make
+
+
+def build(name: str) -> Tuple[nn.Module, Batch]:
+    """A model by name: vgg, vgg-small, mlp, resnet, gpt2, gpt2-small, cnn-small, tiny."""
+    if name == "vgg":
+        return vgg_like(), _images()
+    if name == "vgg-small":
+        return vgg_like(width=32, hidden=1024, fc_layers=4), _images()
+    if name == "mlp":
+        return mlp(), _images()
+    if name == "resnet":
+        return resnet_like(), _images()
+    if name == "gpt2":
+        return GPT2Like(vocab=8192, dim=256, heads=8, layers=4, length=64), _tokens(8192, 64)
+    if name == "gpt2-small":
+        return GPT2Like(), _tokens(512, 32)
+    if name == "cnn-small":
+        return vgg_like(width=8, hidden=128, fc_layers=3), _images()
+    if name == "tiny":
+        return nn.Sequential(nn.Flatten(), nn.Linear(3072, 64), nn.ReLU(), nn.Linear(64, 10)), _images()
+    raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
+
+
+MODELS = ("vgg", "vgg-small", "mlp", "resnet", "gpt2", "gpt2-small", "cnn-small", "tiny")

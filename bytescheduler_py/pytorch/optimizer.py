@@ -1,0 +1,167 @@
+"""ScheduledOptimizer: one line that overlaps gradient communication with the next forward.
+
+>>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)      # doctest: +SKIP
+>>> optimizer = bytescheduler.pytorch.ScheduledOptimizer(model, optimizer)    # doctest: +SKIP
+>>> for x, y in loader:                                                        # doctest: +SKIP
+...     optimizer.zero_grad()
+...     loss_fn(model(x), y).backward()
+...     optimizer.step()
+>>> optimizer.close()                                                          # doctest: +SKIP
+
+No DDP wrapper: the model is plain; the returned optimizer is an instance of the user's
+own optimizer class (``isinstance`` holds, LR schedulers, ``state_dict`` and
+``load_state_dict`` work). See :mod:`bytescheduler.pytorch.overlap` for how it works.
+
+When to call ``optimizer.synchronize()``: before reading or changing parameters or
+gradients anywhere but on the training thread (another thread, ``p.data`` of a copy,
+saving a model checkpoint from another process), at the end of training (``close()``
+does it), and before evaluating on another thread. On the training thread every torch
+operation that reads a parameter waits by itself; ``optimizer.state_dict()`` synchronizes.
+"""
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core import Scheduler, SchedulerConfig
+from ..core.config import Size
+from .comm import TorchCommunicator
+from .overlap import OverlapEngine
+
+
+class _ScheduledMethods:
+    """Methods of the dynamic subclass; ``_bytescheduler`` is the engine, ``_bytescheduler_base`` the user's class."""
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
+        """Start this step's updates; each lands as soon as its gradient is averaged.
+
+        Returns at once (None). A ``closure`` is not supported: re-evaluating the model
+        inside ``step`` would need every update first.
+        """
+        if closure is not None:
+            raise ValueError(
+                "ScheduledOptimizer.step() takes no closure: optimizers that re-evaluate the model "
+                "(e.g. LBFGS) need every update at once; use the optimizer without bytescheduler"
+            )
+        self._bytescheduler.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._bytescheduler.zero_grad(set_to_none)
+
+    def synchronize(self) -> None:
+        """Wait until every gradient in flight is averaged and every called step's update applied."""
+        self._bytescheduler.synchronize()
+
+    def state_dict(self):
+        self._bytescheduler.synchronize()
+        return self._bytescheduler_base.state_dict(self)
+
+    def load_state_dict(self, state_dict) -> None:
+        self._bytescheduler.synchronize()
+        self._bytescheduler_base.load_state_dict(self, state_dict)
+        self._bytescheduler.refresh_state()
+
+    def add_param_group(self, param_group) -> None:
+        self._bytescheduler.synchronize()
+        self._bytescheduler_base.add_param_group(self, param_group)
+        self._bytescheduler.add_param_group(len(self.param_groups) - 1)
+
+    def close(self, wait: bool = True) -> None:
+        """Finish pending updates (``wait=True``), stop the scheduler and remove hooks; every rank calls it."""
+        self._bytescheduler.close(wait=wait)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, base: type, engine_factory: Callable[[type], OverlapEngine]):
+    """Return an instance of a subclass of ``base`` that shares ``optimizer``'s attributes.
+
+    The subclass is made at run time (as Horovod's DistributedOptimizer is), so
+    ``isinstance(result, base)`` holds and everything the user's class defines keeps working.
+    """
+    methods = {k: v for k, v in vars(_ScheduledMethods).items() if not k.startswith("__") or k in ("__enter__", "__exit__")}
+    methods["step"] = torch.optim.Optimizer.profile_hook_step(_ScheduledMethods.step)  # runs step hooks once per step
+    methods["__doc__"] = base.__doc__
+    cls = type(base.__name__, (base,), methods)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__  # one set of param_groups, state and hooks
+    wrapped.__dict__.pop("step", None)  # an instance-level patch of the old object's step
+    wrapped._bytescheduler_base = base
+    wrapped._bytescheduler = engine_factory(base)
+    return wrapped
+
+
+def ScheduledOptimizer(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    process_group: Optional[dist.ProcessGroup] = None,
+    partition_bytes: Optional[Size] = None,
+    credit_bytes: Optional[Size] = None,
+    merge: Optional[bool] = None,
+    fast_lane_bytes: Optional[Size] = None,
+    timeout: Optional[float] = None,
+    timeline: Optional[str] = None,
+    backward_passes_per_step: int = 1,
+    broadcast_parameters: bool = True,
+):
+    """Wrap ``optimizer`` so that communication overlaps the next forward (torch.distributed).
+
+    Args:
+        model: the plain model (no DDP wrapper) whose parameters ``optimizer`` trains.
+        optimizer: any torch optimizer; its class, hyperparameters and state are kept.
+        process_group: the group to average over (default: the whole world). Creating the
+            optimizer is collective over the default group, like ``dist.new_group``.
+        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline: see
+            :class:`bytescheduler.core.SchedulerConfig` (None: environment or default).
+        backward_passes_per_step: backward passes to accumulate locally before
+            communicating (gradient accumulation); a step after fewer passes communicates
+            what was accumulated.
+        broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
+
+    Returns an instance of ``type(optimizer)``. Call ``close()`` on every rank at the end.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "ScheduledOptimizer takes the plain model, not a DistributedDataParallel wrapper "
+            "(it communicates the gradients itself); for DDP use the scheduled comm hook instead"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if hasattr(optimizer, "_bytescheduler"):
+        raise TypeError("this optimizer is already wrapped by bytescheduler")
+    config = SchedulerConfig.resolve(
+        partition_bytes=partition_bytes, credit_bytes=credit_bytes, merge=merge,
+        fast_lane_bytes=fast_lane_bytes, timeout=timeout, timeline=timeline,
+    )
+    communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
+    if communicator is None:
+        raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
+    if broadcast_parameters:
+        _broadcast_from_first(model, process_group, communicator.ranks[0])
+    scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, config=config)
+
+    def engine(base: type) -> OverlapEngine:
+        return OverlapEngine(
+            model, optimizer, base, scheduler, communicator.world_size, prescale=True,
+            backward_passes_per_step=backward_passes_per_step, timeout=config.timeout,
+            on_close=communicator.release,
+        )
+
+    try:
+        return wrap_optimizer(optimizer, type(optimizer), engine)
+    except BaseException:
+        scheduler.stop(wait=False)
+        communicator.release()
+        raise
+
+
+@torch.no_grad()
+def _broadcast_from_first(model: torch.nn.Module, process_group, source: int) -> None:
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(tensor.data, src=source, group=process_group)

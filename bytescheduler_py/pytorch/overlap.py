@@ -1,0 +1,509 @@
+"""Cross-iteration overlap: update each parameter as soon as its gradient is averaged.
+
+The :class:`OverlapEngine` is what :func:`bytescheduler.pytorch.ScheduledOptimizer` (and
+its Horovod twin) run on:
+
+1. a gradient hook (``register_post_accumulate_grad_hook``) submits each parameter's
+   gradient to the scheduler as soon as backward has accumulated it;
+2. ``step()`` only records the hyperparameters in force and returns; an updater thread
+   applies the user's own optimizer to each parameter once its gradient is averaged and
+   its step was called;
+3. the next iteration waits only where it must: a module's forward pre-hook waits for the
+   module's own parameters, and a read guard (a ``TorchFunctionMode`` on the training
+   thread) waits at the first operation that reads any parameter whose update is pending,
+   so tied weights and parameters used outside their module's forward are covered too.
+   Reading a gradient that is still being communicated (``p.grad``, e.g. by
+   ``torch.nn.utils.clip_grad_norm_``) waits for its communication: clipping by global
+   norm therefore falls back to a barrier and stays correct.
+
+Each parameter moves IDLE -> QUEUED (submitted) -> COMMUNICATED -> (step called, update
+applied) -> IDLE.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..core import Scheduler, Task
+from ..core.errors import ByteSchedulerError, CommunicationTimeout
+from ..core.log import logger
+
+IDLE, QUEUED, COMMUNICATED = 0, 1, 2
+
+_WAIT_SLICE = 0.5  # seconds between checks for errors while waiting
+
+
+class GradientError(ByteSchedulerError):
+    """Gradients were used in a way that would silently train wrong; the message says how to fix it."""
+
+
+class _ParamState:
+    __slots__ = (
+        "param", "key", "name", "priority", "group", "sub", "stage", "step_number",
+        "passes", "grad", "version", "task", "zero_request", "discard",
+    )
+
+    def __init__(self, param: torch.nn.Parameter, key: int, name: str, priority: int, group: int) -> None:
+        self.param = param
+        self.key = key
+        self.name = name
+        self.priority = priority
+        self.group = group
+        self.sub: Any = None
+        self.stage = IDLE
+        self.step_number = 0
+        self.passes = 0
+        self.grad: Optional[torch.Tensor] = None
+        self.version = 0
+        self.task: Optional[Task] = None
+        self.zero_request: Optional[bool] = None  # set_to_none flag of a deferred zero_grad
+        self.discard = False
+
+
+class _ReadGuard(TorchFunctionMode):
+    """Waits, on the training thread, for parameters whose update or communication is pending.
+
+    One instance per thread, pushed once and never popped (a mode popped out of order
+    would break someone else's); with no engine busy it costs one attribute read per op.
+    """
+
+    _engines: "weakref.WeakSet[OverlapEngine]" = weakref.WeakSet()
+    _local = threading.local()
+    busy = 0  # parameters not IDLE, over all engines
+
+    @classmethod
+    def install(cls) -> None:
+        if not getattr(cls._local, "installed", False):
+            cls().__enter__()
+            cls._local.installed = True
+
+    @classmethod
+    def suspended(cls) -> "_Suspend":
+        return _Suspend(cls._local)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _ReadGuard.busy and not getattr(_ReadGuard._local, "suspended", 0):
+            self._wait_for(func, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _wait_for(func, args: Sequence[Any], kwargs: Optional[dict]) -> None:
+        owner = getattr(func, "__self__", None)
+        attribute = getattr(owner, "__name__", None) if type(owner).__name__ == "getset_descriptor" else None
+        if attribute is not None and attribute not in _DATA_ATTRIBUTES:
+            return  # metadata (shape, dtype, requires_grad, ...) never waits
+        for value in _tensors(args, kwargs):
+            for engine in list(_ReadGuard._engines):
+                state = engine.states.get(id(value))
+                if state is not None and state.stage != IDLE:
+                    engine.wait_readable(state, gradient_only=attribute == "grad")
+
+
+_DATA_ATTRIBUTES = {"data", "grad", "T", "mT", "H", "mH", "real", "imag"}
+
+
+class _Suspend:
+    def __init__(self, local: threading.local) -> None:
+        self._local = local
+
+    def __enter__(self) -> None:
+        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        self._local.suspended -= 1
+
+
+def _tensors(args: Sequence[Any], kwargs: Optional[dict]) -> Iterable[torch.Tensor]:
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+    if kwargs:
+        for value in kwargs.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _sub_optimizer(optimizer: torch.optim.Optimizer, base: type, param: torch.nn.Parameter, group: dict):
+    """A private instance of the user's optimizer class over one parameter, sharing its state.
+
+    Built without calling ``__init__`` (custom optimizers may take other arguments), from
+    the user's instance attributes, with its hooks and any instance-level patches (e.g. the
+    LR scheduler's step counter) left out, so one parameter's update runs the user's own
+    update rule exactly as the full ``step()`` would.
+    """
+    sub = base.__new__(base)
+    skip = {"param_groups", "state", "step", "zero_grad", "_bytescheduler"}
+    sub.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in skip})
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if hooks in optimizer.__dict__:
+            setattr(sub, hooks, OrderedDict())
+    sub.param_groups = [dict(group, params=[param])]
+    sub.state = optimizer.state
+    return sub
+
+
+class OverlapEngine:
+    """Schedules each parameter's gradient and applies its update as soon as it is averaged.
+
+    Args:
+        model: the module trained (for forward pre-hooks and forward order).
+        optimizer: the user's optimizer; its param_groups and state are used directly.
+        base: the user's optimizer class (the update rule).
+        scheduler: the core scheduler that moves gradients.
+        world_size: the number of ranks averaged over.
+        prescale: divide each gradient by ``world_size`` before communicating (the backend
+            sums); False when the backend averages itself.
+        backward_passes_per_step: backward passes accumulated locally before communicating.
+        guard_reads: install the read guard on the constructing thread.
+        timeout: seconds to wait for one parameter before raising.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        base: type,
+        scheduler: Scheduler,
+        world_size: int,
+        prescale: bool,
+        backward_passes_per_step: int = 1,
+        guard_reads: bool = True,
+        timeout: float = 300.0,
+        on_close: Optional[Callable[[], None]] = None,
+    ) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be at least 1")
+        self.scheduler = scheduler
+        self.world_size = world_size
+        self.prescale = prescale
+        self.backward_passes_per_step = backward_passes_per_step
+        self.timeout = timeout
+        self._optimizer = optimizer
+        self._base = base
+        self._on_close = on_close
+        self._cond = threading.Condition(threading.Lock())
+        self._steps_called = 0
+        self._snapshots: Dict[int, List[dict]] = {}
+        self._snapshot_users: Dict[int, int] = {}
+        self._ready: List[_ParamState] = []
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._handles: List[Any] = []
+        self.states: Dict[int, _ParamState] = {}
+
+        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        self._register_params(optimizer.param_groups, names, order)
+        for module in model.modules():
+            own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
+            if own:
+                self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(own)))
+        self._updater = threading.Thread(target=self._run_updater, name="bytescheduler-update", daemon=True)
+        self._updater.start()
+        _ReadGuard._engines.add(self)
+        if guard_reads:
+            _ReadGuard.install()
+
+    # ------------------------------------------------------------------ registration
+
+    def _register_params(self, groups: Sequence[dict], names: Dict[int, str], order: Dict[int, int]) -> None:
+        for group_index, group in enumerate(groups):
+            for param in group["params"]:
+                if id(param) in self.states or not param.requires_grad:
+                    continue
+                key = len(self.states)
+                priority = order.get(id(param), len(order) + key)
+                state = _ParamState(param, key, names.get(id(param), f"param{key}"), priority, group_index)
+                state.sub = _sub_optimizer(self._optimizer, self._base, param, group)
+                self.states[id(param)] = state
+                self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def add_param_group(self, group_index: int) -> None:
+        """Register the parameters of a group the user added after construction."""
+        self._register_params(self._optimizer.param_groups[group_index:group_index + 1], {}, {})
+        for state in self.states.values():
+            if state.group == 0 and state.param not in self._optimizer.param_groups[0]["params"]:
+                state.group = group_index
+
+    def refresh_state(self) -> None:
+        """Re-point the per-parameter optimizers at the optimizer's state (after load_state_dict)."""
+        for state in self.states.values():
+            state.sub.state = self._optimizer.state
+
+    # ------------------------------------------------------------------ gradients
+
+    def _set_stage(self, state: _ParamState, stage: int) -> None:
+        """Move a parameter to ``stage`` and keep the guard's busy count (lock held)."""
+        if (state.stage == IDLE) != (stage == IDLE):
+            _ReadGuard.busy += 1 if stage != IDLE else -1
+        state.stage = stage
+
+    def _on_gradient(self, param: torch.nn.Parameter) -> None:
+        state = self.states[id(param)]
+        with self._cond:
+            self._raise_if_failed()
+            if state.stage != IDLE:
+                if state.step_number > self._steps_called:
+                    raise GradientError(
+                        f"parameter {state.name!r} got another gradient before optimizer.step() while "
+                        "its previous gradient is being communicated: to accumulate gradients over k "
+                        "backward passes, pass backward_passes_per_step=k"
+                    )
+                raise GradientError(
+                    f"parameter {state.name!r} got a gradient while its update from the last step was "
+                    "still pending; it was used without going through a module forward or a torch "
+                    "operation on this thread (call optimizer.synchronize() before such use)"
+                )
+            state.passes += 1
+            if state.passes < self.backward_passes_per_step:
+                return
+        self._submit(state)
+
+    def _submit(self, state: _ParamState) -> None:
+        param = state.param
+        with _ReadGuard.suspended():
+            grad = param.grad
+            if grad is None:
+                return
+            if grad.is_sparse:
+                raise GradientError(
+                    f"parameter {state.name!r} has a sparse gradient, which bytescheduler does not "
+                    "communicate: use a dense layer (e.g. nn.Embedding(sparse=False))"
+                )
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+                param.grad = grad
+            if self.prescale:
+                grad.div_(self.world_size)
+        ready = None
+        if grad.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(grad.device))
+        task = Task(
+            key=state.key, numel=grad.numel(), itemsize=grad.element_size(), priority=state.priority,
+            payload=grad.view(-1), fuse_key=(grad.dtype, grad.device), name=state.name, context=ready,
+        )
+        with self._cond:
+            state.passes = 0
+            state.grad = grad
+            state.version = grad._version
+            state.task = task
+            state.discard = False
+            state.step_number = self._steps_called + 1
+            self._set_stage(state, QUEUED)
+        future = self.scheduler.submit(task)
+        future.add_done_callback(lambda done, state=state: self._on_communicated(state, done))
+
+    def _on_communicated(self, state: _ParamState, done) -> None:
+        error = done.exception()
+        with self._cond:
+            if error is None and state.grad._version != state.version + state.task.writes:
+                error = GradientError(
+                    f"the gradient of {state.name!r} was modified in place while it was being "
+                    "communicated; read or change gradients only after optimizer.synchronize() (reading "
+                    "p.grad on the training thread waits by itself)"
+                )
+            if error is not None:
+                self._fail_locked(error)
+                return
+            if state.discard:
+                self._set_stage(state, IDLE)
+            else:
+                self._set_stage(state, COMMUNICATED)
+                self._ready.append(state)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> None:
+        """Record this step's hyperparameters; updates follow as gradients arrive."""
+        self._raise_if_failed()
+        # Gradients not communicated during backward (partial accumulation, parameters that
+        # kept a gradient but were unused this iteration) go now, in key order on every rank.
+        for state in self.states.values():
+            if not (state.stage != IDLE and state.step_number > self._steps_called):
+                if state.param.grad is not None:
+                    self._submit(state)
+        with self._cond:
+            self._steps_called += 1
+            step = self._steps_called
+            users = sum(1 for s in self.states.values() if s.stage != IDLE and s.step_number == step)
+            if users:
+                self._snapshots[step] = [
+                    {k: v for k, v in group.items() if k != "params"} for group in self._optimizer.param_groups
+                ]
+                self._snapshot_users[step] = users
+            self._cond.notify_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients now, or right after a pending update (which still needs them)."""
+        with self._cond:
+            discarded = []
+            for state in self.states.values():
+                if state.stage == IDLE:
+                    continue
+                if state.step_number > self._steps_called:
+                    # Communicated for a step that will not come: drop the update.
+                    state.discard = True
+                    discarded.append(state)
+                else:
+                    state.zero_request = set_to_none
+            self._ready = [s for s in self._ready if not s.discard]
+            for state in discarded:
+                if state.stage == COMMUNICATED:
+                    self._set_stage(state, IDLE)
+            self._wait_locked(lambda: all(s.stage == IDLE for s in discarded), "discarded gradients")
+            zero_now = [s for s in self.states.values() if s.stage == IDLE]
+        with _ReadGuard.suspended():
+            for state in zero_now:
+                _zero(state.param, set_to_none)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient in flight and every update of the steps called so far."""
+        with self._cond:
+            self._wait_locked(
+                lambda: all(s.stage == IDLE or (s.stage == COMMUNICATED and s.step_number > self._steps_called)
+                            for s in self.states.values()),
+                "pending updates",
+            )
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait_readable(self, state: _ParamState, gradient_only: bool = False) -> None:
+        """Block until ``state``'s parameter may be read on the training thread."""
+        with self._cond:
+            self._wait_locked(lambda: self._readable(state, gradient_only), state.name)
+
+    def _readable(self, state: _ParamState, gradient_only: bool) -> bool:
+        if state.stage == IDLE:
+            return True
+        if state.step_number > self._steps_called:
+            # Step not called yet: the weights are current; a gradient is readable once averaged.
+            return not gradient_only or state.stage == COMMUNICATED
+        return False
+
+    def _make_pre_hook(self, own: List[_ParamState]):
+        def wait_for_own_parameters(module, inputs):
+            if _ReadGuard.busy:
+                for state in own:
+                    if state.stage != IDLE:
+                        self.wait_readable(state)
+        return wait_for_own_parameters
+
+    def _wait_locked(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        while not done():
+            self._raise_if_failed()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.scheduler.check()
+                raise CommunicationTimeout(
+                    f"waited {self.timeout} s for {what}; a peer may have died or stopped calling step()"
+                )
+            self._cond.wait(min(remaining, _WAIT_SLICE))
+            if self._error is None:
+                try:
+                    self.scheduler.check()
+                except BaseException as error:  # noqa: BLE001
+                    self._fail_locked(error)
+        self._raise_if_failed()
+
+    # ------------------------------------------------------------------ updates
+
+    def _run_updater(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._error is not None or self._closed:
+                        return
+                    due = [s for s in self._ready if s.step_number <= self._steps_called]
+                    if due:
+                        self._ready = [s for s in self._ready if s.step_number > self._steps_called]
+                        break
+                    self._cond.wait(_WAIT_SLICE)
+            try:
+                for state in due:
+                    self._apply(state)
+            except BaseException as error:  # noqa: BLE001 - surfaces in the training thread
+                with self._cond:
+                    self._fail_locked(error)
+                return
+
+    def _apply(self, state: _ParamState) -> None:
+        step = state.step_number
+        sub = state.sub
+        sub.param_groups[0].update(self._snapshots[step][state.group])
+        sub.step()
+        with self._cond:
+            if state.zero_request is not None:
+                _zero(state.param, state.zero_request)
+                state.zero_request = None
+            self._snapshot_users[step] -= 1
+            if not self._snapshot_users[step]:
+                del self._snapshots[step], self._snapshot_users[step]
+            state.grad = None
+            self._set_stage(state, IDLE)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ errors and shutdown
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error = self._error
+            raise type(error)(str(error)) from error
+
+    def _fail_locked(self, error: BaseException) -> None:
+        if self._error is None:
+            logger.error("scheduled optimizer failed: %s", error)
+            self._error = error
+        self._cond.notify_all()
+
+    def close(self, wait: bool = True) -> None:
+        """Finish (``wait=True``) or abandon pending work, stop threads and remove hooks."""
+        with self._cond:
+            if self._closed:
+                return
+        try:
+            if wait and self._error is None:
+                self.synchronize()
+        finally:
+            with self._cond:
+                self._closed = True
+                for state in self.states.values():
+                    self._set_stage(state, IDLE)
+                self._cond.notify_all()
+            self._updater.join(timeout=30)
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            _ReadGuard._engines.discard(self)
+            try:
+                self.scheduler.stop(wait=wait and self._error is None)
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
+
+
+def _zero(param: torch.nn.Parameter, set_to_none: bool) -> None:
+    """What ``Optimizer.zero_grad`` does to one parameter."""
+    if param.grad is None:
+        return
+    if set_to_none:
+        param.grad = None
+    else:
+        if param.grad.grad_fn is not None:
+            param.grad.detach_()
+        else:
+            param.grad.requires_grad_(False)
+        param.grad.zero_()
