@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test microbench clean
+.PHONY: setup horovod demo test microbench clean
 
 $(BIN)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -17,10 +17,19 @@ $(BIN)/.installed: setup.py
 
 setup: $(BIN)/.installed
 
+# Horovod 0.28.1 is compiled from source against the installed torch (several minutes the first
+# time); the script keeps the wheel in ~/.cache/bytescheduler/wheels (or $BYTESCHEDULER_WHEEL_CACHE)
+# and reuses it, and does nothing when a working Horovod is already installed.
+$(BIN)/.horovod: $(BIN)/.installed scripts/install_horovod.sh
+	TORCH_PIN="$(TORCH_PIN)" bash scripts/install_horovod.sh $(BIN)/python
+	touch $@
+
+horovod: $(BIN)/.horovod
+
 demo: setup
 	$(BIN)/bytescheduler demo
 
-test: setup
+test: setup $(BIN)/.horovod
 	$(BIN)/python -m pytest
 
 microbench: setup
