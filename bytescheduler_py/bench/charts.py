@@ -1,0 +1,85 @@
+"""PNG charts of a benchmark: a bar chart of iteration times and a Gantt chart per system."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "step": "#55a868", "all-reduce": "#8172b3",
+           "lane0": "#c44e52", "lane1": "#937860", "task": "#bbbbbb"}
+
+
+def bar_chart(summary: dict, path: str) -> None:
+    systems = summary["systems"]
+    names = list(systems)
+    medians = [systems[n]["median_s"] for n in names]
+    low = [systems[n]["median_s"] - systems[n]["min_s"] for n in names]
+    high = [systems[n]["max_s"] - systems[n]["median_s"] for n in names]
+    figure, axes = plt.subplots(figsize=(9, 0.6 * len(names) + 1.5))
+    axes.barh([systems[n]["label"] for n in names], medians, xerr=[low, high], color="#4c72b0", capsize=3)
+    floor = summary["floors"]["floor_s"]
+    axes.axvline(floor, color="#c44e52", linestyle="--", label=f"floor max(compute, sending) = {floor:.3f} s")
+    axes.set_xlabel("seconds per iteration (median, min-max over blocks)")
+    axes.invert_yaxis()
+    axes.legend(loc="lower right")
+    axes.set_title(f"{summary['model']}, batch {summary['batch_size']}, {summary['network']}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _iteration_window(compute: List[dict]) -> Tuple[float, float]:
+    """The span of the last traced iteration on rank 0: from its last forward to the next forward or end."""
+    forwards = sorted(e["ts"] for e in compute if e["name"] in ("forward", "all-reduce"))
+    if len(forwards) >= 2:
+        return forwards[-2], forwards[-1] + (forwards[-1] - forwards[-2])
+    end = max(e["ts"] + e["dur"] for e in compute)
+    return (forwards[0] if forwards else end - 1.0), end
+
+
+def timeline_chart(system: str, label: str, compute_events: List[dict], traces: List[dict], path: str,
+                   rank0: int = 0) -> None:
+    """Gantt chart of compute and communication per rank over the last two traced iterations."""
+    compute = [e for e in compute_events if e["cat"] == f"compute:{system}"]
+    if not compute:
+        return
+    start, end = _iteration_window([e for e in compute if e["pid"] == rank0])
+    start -= 0.05 * (end - start)
+    rows: Dict[str, List[Tuple[float, float, str]]] = defaultdict(list)
+    for event in compute:
+        rows[f"rank {event['pid']} compute"].append((event["ts"], event["ts"] + event["dur"], event["name"]))
+    begins = {}
+    for event in traces:
+        if event["ph"] not in ("b", "e"):
+            continue
+        key = (event["pid"], event["id"])
+        if event["ph"] == "b":
+            begins[key] = event
+        elif event["ph"] == "e" and key in begins:
+            begin = begins.pop(key)
+            if begin["cat"].startswith("lane"):
+                rows[f"rank {event['pid']} {begin['cat']}"].append((begin["ts"], event["ts"], begin["cat"]))
+    figure, axes = plt.subplots(figsize=(11, 0.5 * len(rows) + 1.5))
+    labels = sorted(rows)
+    for y, row in enumerate(labels):
+        spans = [(a, b, kind) for a, b, kind in rows[row] if b > start and a < end]
+        for a, b, kind in spans:
+            axes.barh(y, (b - a) / 1e3, left=(a - start) / 1e3, height=0.6, color=_COLORS.get(kind, "#777777"),
+                      edgecolor="white", linewidth=0.3)
+    axes.set_yticks(range(len(labels)))
+    axes.set_yticklabels(labels)
+    axes.invert_yaxis()
+    axes.set_xlim(0, (end - start) / 1e3)
+    axes.set_xlabel("milliseconds (about two iterations, rank 0's clock)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
+    axes.legend(handles, list(_COLORS), ncol=len(_COLORS), fontsize=7, loc="upper center",
+                bbox_to_anchor=(0.5, -0.25))
+    axes.set_title(label)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

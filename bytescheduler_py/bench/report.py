@@ -1,0 +1,130 @@
+"""Benchmark reports: JSON, a markdown table, a bar chart and per-system timelines (PNG).
+
+An iteration is over when the slowest rank is done, so each timed block counts at the
+maximum over ranks; the table shows the median over blocks and the spread (min-max).
+Floors: *compute* is the compute-only system's time; *sending* is the gradient bytes a
+ring all-reduce sends per rank, 2(n-1)/n x bytes, over the link rate measured with a
+large all-reduce. No schedule can beat max(compute, sending); the last column says how
+close each system came.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+from typing import Dict, List, Optional
+
+BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "horovod-scheduled": "horovod", "mxnet-scheduled": "mxnet"}
+LABELS = {
+    "compute": "compute only (no communication)",
+    "comm": "communication only (all-reduce, no compute)",
+    "ddp": "DDP default",
+    "ddp-hook": "DDP + scheduled hook",
+    "scheduled": "ScheduledOptimizer",
+    "horovod": "Horovod DistributedOptimizer",
+    "horovod-scheduled": "Horovod + ScheduledOptimizer",
+    "mxnet": "MXNet dist_sync",
+    "mxnet-scheduled": "MXNet + ScheduledKVStore",
+}
+
+
+def summarize(results: List[dict], batch_size: int) -> dict:
+    """Per system: median, min, max seconds per iteration (max over ranks per block), and more."""
+    world = len(results)
+    systems = list(results[0]["times"])
+    rounds = len(results[0]["times"][systems[0]])
+    summary: Dict[str, dict] = {}
+    for name in systems:
+        blocks = [max(r["times"][name][i] for r in results) for i in range(rounds)]
+        median = statistics.median(blocks)
+        summary[name] = {
+            "label": LABELS.get(name, name),
+            "median_s": median,
+            "min_s": min(blocks),
+            "max_s": max(blocks),
+            "blocks_s": blocks,
+            "samples_per_s": world * batch_size / median,
+            "rss_mib_per_rank": [round(r["rss_mib"][name], 1) for r in results],
+            "scheduler": results[0]["stats"].get(name) or None,
+        }
+    link = min(r["link_bytes_per_s"] for r in results)
+    gradient_bytes = results[0]["gradient_bytes"]
+    sending = 2 * (world - 1) / world * gradient_bytes / link
+    compute = summary["compute"]["median_s"] if "compute" in summary else None
+    floor = max(compute or 0.0, sending)
+    for name, entry in summary.items():
+        baseline = BASELINES.get(name)
+        if baseline in summary:
+            entry["speedup"] = summary[baseline]["median_s"] / entry["median_s"]
+            entry["baseline"] = baseline
+        entry["fraction_of_floor"] = floor / entry["median_s"]
+    return {
+        "systems": summary,
+        "floors": {"compute_s": compute, "sending_s": sending, "floor_s": floor},
+        "link_bytes_per_s": link,
+        "gradient_bytes": gradient_bytes,
+        "world_size": world,
+        "peak_rss_mib_per_rank": [round(r["peak_rss_mib"], 1) for r in results],
+    }
+
+
+def markdown(summary: dict, header: str) -> str:
+    floors = summary["floors"]
+    lines = [
+        header,
+        "",
+        "| system | median s/iter | min-max | samples/s | speedup | of floor | RSS MiB/rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry in summary["systems"].values():
+        speedup = f"{entry['speedup']:.2f}x vs {LABELS[entry['baseline']]}" if "speedup" in entry else ""
+        lines.append(
+            f"| {entry['label']} | {entry['median_s']:.3f} | {entry['min_s']:.3f}-{entry['max_s']:.3f} | "
+            f"{entry['samples_per_s']:.1f} | {speedup} | {100 * entry['fraction_of_floor']:.0f}% | "
+            f"{'/'.join(f'{v:.0f}' for v in entry['rss_mib_per_rank'])} |"
+        )
+    compute = f"{floors['compute_s']:.3f} s" if floors["compute_s"] is not None else "not measured"
+    lines += [
+        "",
+        f"Floors: compute {compute}; sending {floors['sending_s']:.3f} s "
+        f"({summary['gradient_bytes'] / 2**20:.1f} MiB of gradients, link measured at "
+        f"{summary['link_bytes_per_s'] * 8 / 1e9:.2f} Gbit/s per direction); "
+        f"floor = max = {floors['floor_s']:.3f} s.",
+    ]
+    return "\n".join(lines)
+
+
+def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str, command: str) -> str:
+    """Write results.json, results.md and the charts into ``out_dir``; return the markdown."""
+    summary = summarize(results, args.batch_size)
+    summary.update({"command": command, "network": network, "model": args.model, "batch_size": args.batch_size,
+                    "iterations_per_block": args.iters, "rounds": args.rounds})
+    header = (f"Model {args.model}, batch {args.batch_size} per rank, {summary['world_size']} ranks, {network}; "
+              f"{args.rounds} alternating blocks of {args.iters} iterations per system.\n\nCommand: `{command}`")
+    table = markdown(summary, header)
+    with open(os.path.join(out_dir, "results.json"), "w") as handle:
+        json.dump(summary, handle, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w") as handle:
+        handle.write(table + "\n")
+    try:
+        from . import charts
+    except ImportError as error:  # matplotlib is optional (the [bench] extra)
+        table += f"\n\n(no charts: {error}; install bytescheduler[bench])"
+        return table
+    charts.bar_chart(summary, os.path.join(out_dir, "speed.png"))
+    compute_events = [event for r in results for event in r["compute_events"]]
+    for name in summary["systems"]:
+        traces = _load_traces(trace_dir, name)
+        path = os.path.join(out_dir, f"timeline-{name}.png")
+        charts.timeline_chart(name, LABELS.get(name, name), compute_events, traces, path, results[0]["rank"])
+    return table
+
+
+def _load_traces(trace_dir: str, system: str) -> List[dict]:
+    events: List[dict] = []
+    for path in sorted(glob.glob(os.path.join(trace_dir, f"{system}.rank*.json"))):
+        with open(path) as handle:
+            events.extend(json.load(handle))
+    return events
