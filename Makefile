@@ -3,10 +3,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# MXNet 1.9.1 needs numpy < 1.24, so the parameter-server tests (tests/mxnet) get their own
+# environment: mxnet, numpy 1.23.5, pytest and bytescheduler (editable, without torch).
+VENV_MXNET ?= .venv-mxnet
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup horovod demo test microbench clean
+.PHONY: setup horovod mxnet demo test microbench clean
 
 $(BIN)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +29,24 @@ $(BIN)/.horovod: $(BIN)/.installed scripts/install_horovod.sh
 
 horovod: $(BIN)/.horovod
 
+# The script does nothing when the environment already works and setup.py is unchanged.
+$(VENV_MXNET)/bin/.installed: setup.py scripts/install_mxnet.sh
+	PYTHON="$(PYTHON)" bash scripts/install_mxnet.sh $(VENV_MXNET)
+	touch $@
+
+mxnet: $(VENV_MXNET)/bin/.installed
+
 demo: setup
 	$(BIN)/bytescheduler demo
 
-test: setup $(BIN)/.horovod
+# The main environment has no MXNet: there tests/conftest.py leaves tests/mxnet out, and the
+# second run collects it in the MXNet environment (where it fails loudly if MXNet is broken).
+test: setup $(BIN)/.horovod mxnet
 	$(BIN)/python -m pytest
+	$(VENV_MXNET)/bin/python -m pytest tests/mxnet
 
 microbench: setup
 	$(BIN)/bytescheduler microbench
 
 clean:
-	rm -rf $(VENV) build *.egg-info bytescheduler_py/*.egg-info
+	rm -rf $(VENV) $(VENV_MXNET) build *.egg-info bytescheduler_py/*.egg-info

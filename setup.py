@@ -25,12 +25,13 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     package_dir={"bytescheduler": "bytescheduler_py"},
-    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch"],
+    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch", "bytescheduler.bench", "bytescheduler.mxnet"],
     package_data={"bytescheduler": ["py.typed"]},
     install_requires=[],
     extras_require={
         "torch": ["torch>=2.1"],
-        "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "numpy"],
+        "bench": ["torch>=2.1", "matplotlib"],
+        "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "numpy", "matplotlib"],
     },
     entry_points={"console_scripts": ["bytescheduler=bytescheduler.cli:main"]},
     classifiers=[

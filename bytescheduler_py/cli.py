@@ -2,6 +2,7 @@
 
     bytescheduler demo         2 local ranks: DDP with and without the scheduled hook
     bytescheduler microbench   scheduling cost per piece with a no-op backend
+    bytescheduler mxnet-launch an MXNet parameter-server job on 127.0.0.1 (-n 2 -s 1 -- python train.py)
     bytescheduler version
 """
 
@@ -12,7 +13,9 @@ from typing import List, Optional
 
 COMMANDS = {
     "demo": "2 local ranks on 127.0.0.1: DDP default vs DDP + scheduled hook",
+    "bench": "measure every system on a (bandwidth-limited) 2-rank testbed",
     "microbench": "scheduling cost per piece with a backend that does nothing",
+    "mxnet-launch": "run an MXNet parameter-server job (scheduler, servers, workers) on 127.0.0.1",
     "version": "print the version",
 }
 
@@ -28,8 +31,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "demo":
         from .demo import main as run
+    elif command == "bench":
+        from .bench.runner import main as run
     elif command == "microbench":
         from .microbench import main as run
+    elif command == "mxnet-launch":
+        from .mxnet.launch import main as run
     elif command == "version":
         from . import __version__
 

@@ -1,0 +1,307 @@
+"""The MXNet parameter-server launcher on real ps-lite processes (127.0.0.1, ``dist_sync``).
+
+Run in ``.venv-mxnet`` (``make mxnet``). Every job has a deadline, every subprocess a timeout,
+and every process a test starts carries a marker variable in its environment: after each test
+none may be left (checked through /proc), and the fixture kills any that are, by that marker.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+from bytescheduler.mxnet.launch import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, launch
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+WORKERS = Path(__file__).resolve().parent / "workers"
+PY = sys.executable
+MARKER = "BYTESCHEDULER_TEST_MARKER"
+JOB_DEADLINE = 90.0  # seconds; a healthy job takes about 4-7 s on 2 cores
+SUBPROCESS_TIMEOUT = 150.0
+ROUNDS, KEYS = 2, 3  # as in workers/push_pull.py
+
+LAUNCHER = [PY, "-m", "bytescheduler.mxnet.launch"]
+# Python leaves SIGINT ignored in a child started with SIGINT ignored (as in a background job);
+# the Ctrl-C test needs the usual KeyboardInterrupt, so that launcher restores the handler.
+LAUNCHER_WITH_SIGINT = [
+    PY, "-c",
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from bytescheduler.mxnet.launch import main; sys.exit(main(sys.argv[1:]))",
+]
+
+
+def worker(name: str) -> List[str]:
+    return [PY, str(WORKERS / name)]
+
+
+def marked_pids(marker: str) -> List[int]:
+    """Live processes whose environment holds ``MARKER=marker`` (zombies have none)."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if needle in handle.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            state = handle.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+def started_pids(messages: str) -> Dict[str, int]:
+    """The ``name -> pid`` list the launcher reports when it has started everything."""
+    line = next(line for line in messages.splitlines() if ": started " in line)
+    return {name: int(pid) for name, pid in re.findall(r"(\w+ \d+) \(pid (\d+)\)", line)}
+
+
+@pytest.fixture
+def marker():
+    value = uuid.uuid4().hex
+    yield value
+    for pid in marked_pids(value):  # only after a failed test: leave nothing running
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def assert_nothing_left(marker: str, messages: str) -> None:
+    left = [pid for pid in marked_pids(marker) if pid_alive(pid)]
+    assert not left, f"processes left running: {left}"
+    pids = started_pids(messages)
+    assert set(pids) >= {"scheduler 0", "server 0", "worker 0", "worker 1"}, pids
+    alive = {name: pid for name, pid in pids.items() if pid_alive(pid)}
+    assert not alive, f"started processes still alive: {alive}"
+
+
+class Streamed:
+    """A launcher run in a child process, its output read line by line with timestamps."""
+
+    def __init__(self, argv: List[str], marker: str, extra_env: Optional[Dict[str, str]] = None):
+        env = dict(os.environ, **(extra_env or {}))
+        env[MARKER] = marker
+        self.start = time.monotonic()
+        self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.DEVNULL)
+        self.lines: "queue.Queue[Tuple[float, str, str]]" = queue.Queue()
+        self.out: List[Tuple[float, str]] = []
+        self.err: List[Tuple[float, str]] = []
+        self._threads = [threading.Thread(target=self._read, args=(self.popen.stdout, "out")),
+                         threading.Thread(target=self._read, args=(self.popen.stderr, "err"))]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, stream, which: str) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.lines.put((time.monotonic(), which, line))
+        stream.close()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                when, which, line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            (self.out if which == "out" else self.err).append((when, line))
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0) -> float:
+        """Wait until ``count`` stdout lines match ``pattern``; return when the last one came."""
+        end = time.monotonic() + timeout
+        while True:
+            self._drain()
+            hits = [when for when, line in self.out if re.search(pattern, line)]
+            if len(hits) >= count:
+                return hits[count - 1]
+            if time.monotonic() > end or self.popen.poll() is not None:
+                self.finish(10)
+                raise AssertionError(f"no {count} lines matching {pattern!r}:\n{self.text()}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = SUBPROCESS_TIMEOUT) -> Tuple[int, float]:
+        """Wait for the launcher to exit; return its status and the time it exited."""
+        try:
+            code = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(10)
+            raise AssertionError(f"launcher still running after {timeout} s:\n{self.text()}")
+        ended = time.monotonic()
+        for thread in self._threads:
+            thread.join(10)
+        self._drain()
+        return code, ended
+
+    @property
+    def stdout(self) -> str:
+        return "\n".join(line for _, line in self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.err)
+
+    def text(self) -> str:
+        self._drain()
+        return f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+
+
+def check_sums(output: str, workers: int) -> None:
+    """Every rank printed every check of workers/push_pull.py, and no failure."""
+    assert "CHECK FAILED" not in output, output
+    for rank in range(workers):
+        oks = re.findall(rf"^\[worker \d\] CHECK OK rank={rank} ", output, re.M)
+        assert len(oks) == ROUNDS * KEYS, (rank, output)
+        assert re.search(rf"^\[worker \d\] DONE rank={rank} failures=0$", output, re.M), output
+
+
+# --- (a) real dist_sync jobs through the Python API ----------------------------------------
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+@pytest.mark.parametrize("servers", [1, 2])
+def test_dist_sync_push_pull_sums(servers, marker):
+    output, messages = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    status = launch(worker("push_pull.py"), num_workers=2, num_servers=servers, deadline=JOB_DEADLINE,
+                    env={MARKER: marker}, output=output, messages=messages)
+    elapsed = time.monotonic() - start
+    text = f"--- output\n{output.getvalue()}\n--- messages\n{messages.getvalue()}"
+    assert status == 0, text
+    check_sums(output.getvalue(), workers=2)
+    # The scheduler numbers the workers; both ranks appear, whatever the launch order.
+    assert sorted(re.findall(r"START rank=(\d) workers=2", output.getvalue())) == ["0", "1"], text
+    assert "all 2 workers finished" in messages.getvalue(), text
+    assert elapsed < JOB_DEADLINE
+    assert_nothing_left(marker, messages.getvalue())
+
+
+# --- (b) a failing worker stops the whole job at once ----------------------------------------
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+def test_crashed_worker_stops_the_job(marker):
+    run = Streamed(LAUNCHER + ["-n", "2", "-s", "1", "--deadline", str(JOB_DEADLINE), "--",
+                               *worker("crash.py")], marker)
+    crashed_at = run.wait_for(r"^\[worker 1\] CRASHING")
+    code, ended = run.finish()
+    assert code == 3, run.text()
+    assert re.search(r"worker 1 \(pid \d+\) exited with code 3", run.stderr), run.text()
+    assert "stopping scheduler 0, server 0, worker 0" in run.stderr, run.text()
+    # Left alone, the others would wait forever; the launcher ends them by SIGTERM at once.
+    assert ended - crashed_at < 5.0, run.text()
+    assert "SIGKILL" not in run.stderr, run.text()
+    assert_nothing_left(marker, run.stderr)
+
+
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+def test_worker_exception_through_run_worker_stops_the_job(marker):
+    run = Streamed(LAUNCHER + ["-n", "2", "-s", "1", "--deadline", str(JOB_DEADLINE), "--",
+                               *worker("raise_error.py")], marker)
+    failed_at = run.wait_for(r"^\[worker 1\] RuntimeError: worker failure on purpose")
+    code, ended = run.finish()
+    assert code == 1, run.text()
+    assert re.search(r"worker 1 \(pid \d+\) exited with code 1", run.stderr), run.text()
+    assert "[worker 1] Traceback (most recent call last):" in run.stdout, run.text()
+    assert ended - failed_at < 5.0, run.text()
+    assert_nothing_left(marker, run.stderr)
+
+
+# --- (c) the deadline ------------------------------------------------------------------------
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+def test_deadline_stops_a_job_that_runs_too_long(marker):
+    deadline = 12.0
+    run = Streamed(LAUNCHER + ["-n", "2", "-s", "1", "--deadline", str(deadline), "--grace", "3",
+                               "--", *worker("sleep.py")], marker)
+    run.wait_for(r"^\[worker \d\] READY", count=2, timeout=deadline)
+    code, ended = run.finish()
+    elapsed = ended - run.start
+    assert code == EXIT_DEADLINE, run.text()
+    assert "deadline of 12 s passed; stopping scheduler 0, server 0, worker 0, worker 1" in run.stderr, \
+        run.text()
+    # The launcher's own start counts against the deadline, then SIGTERM ends everything.
+    assert deadline <= elapsed < deadline + 8.0, (elapsed, run.text())
+    assert_nothing_left(marker, run.stderr)
+
+
+# --- Ctrl-C and SIGTERM to the launcher -------------------------------------------------------
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, EXIT_INTERRUPTED),
+                                            (signal.SIGTERM, EXIT_TERMINATED)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_signal_to_the_launcher_stops_every_process(signum, status, marker):
+    run = Streamed(LAUNCHER_WITH_SIGINT + ["-n", "2", "-s", "2", "--deadline", str(JOB_DEADLINE), "--",
+                                           *worker("sleep.py")], marker)
+    run.wait_for(r"^\[worker \d\] READY", count=2)
+    sent = time.monotonic()
+    run.popen.send_signal(signum)
+    code, ended = run.finish()
+    assert code == status, run.text()
+    assert ("interrupted" if signum == signal.SIGINT else "terminated") in run.stderr, run.text()
+    assert ended - sent < 5.0, run.text()
+    assert_nothing_left(marker, run.stderr)
+
+
+# --- (d) the console command ------------------------------------------------------------------
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+def test_console_command_runs_a_job(marker):
+    console = Path(PY).parent / "bytescheduler"
+    assert console.exists(), f"{console} is missing: is bytescheduler installed in this environment?"
+    done = subprocess.run(
+        [str(console), "mxnet-launch", "-n", "2", "-s", "2", "--deadline", str(JOB_DEADLINE), "--",
+         *worker("push_pull.py")],
+        env=dict(os.environ, **{MARKER: marker}), capture_output=True, text=True,
+        timeout=SUBPROCESS_TIMEOUT, stdin=subprocess.DEVNULL,
+    )
+    text = f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    assert done.returncode == 0, text
+    check_sums(done.stdout, workers=2)
+    assert "2 workers, 2 servers" in done.stderr, text
+    assert_nothing_left(marker, done.stderr)
+
+
+@pytest.mark.timeout(60)
+def test_missing_worker_command_is_reported(marker):
+    done = subprocess.run(LAUNCHER + ["-n", "2", "--", str(WORKERS / "no-such-program")],
+                          env=dict(os.environ, **{MARKER: marker}), capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 127, done
+    assert "cannot start the job" in done.stderr and "no-such-program" in done.stderr, done.stderr
+    # The scheduler and the server had already been started: they are stopped too.
+    assert not [pid for pid in marked_pids(marker) if pid_alive(pid)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["-n", "2"], "no worker command"),
+    (["-n", "2", "--"], "no worker command"),
+    (["-n", "0", "--", "true"], "num_workers must be at least 1"),
+    (["-n", "1", "-s", "0", "--", "true"], "num_servers must be at least 1"),
+    (["-n", "1", "--deadline", "0", "--", "true"], "deadline must be positive"),
+    (["-n", "1", "--env", "NOEQUALS", "--", "true"], "--env wants KEY=VALUE"),
+])
+def test_usage_errors(args, message):
+    done = subprocess.run(LAUNCHER + args, capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done
+    assert message in done.stderr, done.stderr
