@@ -13,6 +13,7 @@ ranks, so no order channel is needed; merging is left to Horovod's tensor fusion
 own merging would give different operations on different ranks).
 """
 
+import itertools
 import queue
 import threading
 import time
@@ -31,6 +32,9 @@ from .overlap import OverlapEngine
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.
 _NEVER = 1 << 62
+# Creating a ScheduledOptimizer is collective, so backends are numbered alike on every rank:
+# the number keeps the Horovod tensor names of two optimizers (e.g. a GAN's) apart.
+_backend_ids = itertools.count()
 
 
 def init() -> None:
@@ -49,6 +53,7 @@ class HorovodBackend:
 
     def __init__(self, op: Any = None) -> None:
         self._op = hvd.Average if op is None else op
+        self._name = f"bytescheduler.{next(_backend_ids)}"
         self._incoming: "queue.SimpleQueue[Optional[Tuple[int, Done]]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._poll, name="bytescheduler-horovod-poll", daemon=True)
         self._thread.start()
@@ -58,7 +63,7 @@ class HorovodBackend:
             raise ValueError("the Horovod backend takes one piece per operation (merge=False)")
         piece = op.pieces[0]
         view = piece.task.payload.narrow(0, piece.start, piece.stop - piece.start)
-        handle = hvd.allreduce_async_(view, name=f"bytescheduler.{piece.task.key}.{piece.start}", op=self._op)
+        handle = hvd.allreduce_async_(view, name=f"{self._name}.{piece.task.key}.{piece.start}", op=self._op)
         self._incoming.put((handle, done))
 
     def _poll(self) -> None:
@@ -146,6 +151,8 @@ def ScheduledOptimizer(
     Returns an instance of the user's optimizer class.
     """
     del num_steps
+    if hasattr(optimizer, "_bytescheduler"):
+        raise TypeError("this optimizer is already wrapped by bytescheduler")
     init()
     base, passes = _unwrap(optimizer)
     config = SchedulerConfig.resolve(

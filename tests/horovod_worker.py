@@ -1,0 +1,316 @@
+"""One rank of a Horovod test scenario; run under horovodrun by tests/test_horovod.py.
+
+    horovodrun -np 2 -H localhost:2 --gloo python tests/horovod_worker.py equal
+
+Each rank prints one line ``RESULT {json}`` with what the test asserts (the rank is in it).
+
+Scenarios:
+
+- ``equal``: bytescheduler's ScheduledOptimizer over ``hvd.DistributedOptimizer`` trains
+  exactly as ``hvd.DistributedOptimizer`` alone (cnn-small and gpt2-small; SGD with
+  momentum and AdamW with a StepLR schedule), side by side in one process.
+- ``accumulate``: the same with ``backward_passes_per_step=2``.
+- ``idiom``: the same with ``hvd.broadcast_optimizer_state`` and a checkpoint round trip, and
+  with a plain torch optimizer (no ``hvd.DistributedOptimizer``) under the scheduler.
+- ``two``: two scheduled optimizers in one process (e.g. a GAN), each equal to its baseline.
+- ``dies``: rank 1 exits at step 3; rank 0 reports what it saw (if it lives to say it).
+- ``bad``: unsupported ``hvd.DistributedOptimizer`` settings raise a clear ValueError, and
+  wrapping an already scheduled optimizer again raises TypeError.
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import bytescheduler.pytorch.horovod as bsc
+from bytescheduler.models import build
+
+STEPS = 30
+BATCH = 8
+PARTITION = "16KiB"  # small, so that the larger gradients are cut into several pieces
+
+
+def report(**values) -> None:
+    values["rank"] = hvd.rank()
+    print("RESULT " + json.dumps(values, sort_keys=True), flush=True)
+
+
+def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    raise ValueError(kind)
+
+
+def make_schedule(kind: str, optimizer: torch.optim.Optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5) if kind == "adamw" else None
+
+
+def batch(make_batch, step: int, micro: int = 0):
+    """Different data on each rank and step, the same for the scheduled run and the baseline."""
+    generator = torch.Generator().manual_seed(100_000 * hvd.rank() + 10 * step + micro)
+    return make_batch(BATCH, generator)
+
+
+def fresh_model(name: str):
+    torch.manual_seed(1234)
+    return build(name)
+
+
+def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+def checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+
+def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool = False) -> dict:
+    """Train a scheduled and a baseline copy of one model side by side; return what differs.
+
+    With ``idiom``, both also do what Horovod scripts (and ByteScheduler's own example) do:
+    ``hvd.broadcast_optimizer_state`` after wrapping, and a checkpoint round trip
+    (``state_dict``/``load_state_dict``) in the middle of training. With ``plain``, the
+    scheduled side wraps the plain torch optimizer (no ``hvd.DistributedOptimizer``).
+    """
+    baseline_model, make_batch = fresh_model(name)
+    scheduled_model, _ = fresh_model(name)
+    initial = [p.detach().clone() for p in baseline_model.parameters()]
+
+    baseline = hvd.DistributedOptimizer(
+        make_optimizer(kind, baseline_model), named_parameters=baseline_model.named_parameters(),
+        backward_passes_per_step=passes,
+    )
+    hvd.broadcast_parameters(baseline_model.state_dict(), root_rank=0)
+    inner = make_optimizer(kind, scheduled_model)
+    if not plain:
+        inner = hvd.DistributedOptimizer(
+            inner, named_parameters=scheduled_model.named_parameters(), backward_passes_per_step=passes,
+        )
+    scheduled = bsc.ScheduledOptimizer(
+        scheduled_model, inner, STEPS, partition_bytes=PARTITION, timeout=60,
+        backward_passes_per_step=passes if plain else None,
+    )
+    user_class = torch.optim.SGD if kind == "sgd" else torch.optim.AdamW
+    runs = [
+        (baseline_model, baseline, make_schedule(kind, baseline)),
+        (scheduled_model, scheduled, make_schedule(kind, scheduled)),
+    ]
+    if idiom:
+        for model, optimizer, _ in runs:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    losses = [[], []]
+    for step in range(STEPS):
+        if idiom and step == STEPS // 3:
+            for _, optimizer, _ in runs:
+                optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        for index, (model, optimizer, schedule) in enumerate(runs):
+            optimizer.zero_grad()
+            for micro in range(passes):
+                x, y = batch(make_batch, step, micro)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            losses[index].append(loss.item())
+            optimizer.step()
+            if schedule is not None:
+                schedule.step()
+    scheduled.synchronize()
+    stats = dict(scheduled._bytescheduler.scheduler.stats)
+    result = {
+        "model": name,
+        "optimizer": kind,
+        "passes": passes,
+        "idiom": idiom,
+        "plain": plain,
+        "max_abs_diff": max_difference(baseline_model, scheduled_model),
+        "moved": max((p.detach() - q).abs().max().item() for p, q in zip(scheduled_model.parameters(), initial)),
+        "isinstance": isinstance(scheduled, user_class),
+        "class_name": type(scheduled).__name__,
+        "lr": [baseline.param_groups[0]["lr"], scheduled.param_groups[0]["lr"]],
+        "losses_equal": losses[0] == losses[1],
+        "checksum": checksum(scheduled_model),
+        "tensors": sum(1 for p in scheduled_model.parameters() if p.requires_grad),
+        "stats": stats,
+    }
+    scheduled.close()
+    return result
+
+
+def scenario_equal() -> None:
+    runs = [compare(name, kind, 1) for name in ("cnn-small", "gpt2-small") for kind in ("sgd", "adamw")]
+    report(scenario="equal", runs=runs)
+
+
+def scenario_accumulate() -> None:
+    report(scenario="accumulate", runs=[compare("cnn-small", "sgd", 2)])
+
+
+def scenario_idiom() -> None:
+    runs = [
+        compare("cnn-small", "adamw", 1, idiom=True),
+        compare("gpt2-small", "sgd", 1, idiom=True),
+        compare("cnn-small", "sgd", 1, plain=True),
+        compare("cnn-small", "adamw", 2, plain=True),
+    ]
+    report(scenario="idiom", runs=runs)
+
+
+def scenario_two() -> None:
+    """Two scheduled optimizers alive at once (a GAN's generator and discriminator, say).
+
+    Each steps while the other's gradients may still be in flight; both must train exactly
+    as two ``hvd.DistributedOptimizer`` alone.
+    """
+    specs = [("cnn-small", "sgd"), ("tiny", "adamw")]
+    runs = []
+    for index, (name, kind) in enumerate(specs):
+        baseline_model, make_batch = fresh_model(name)
+        scheduled_model, _ = fresh_model(name)
+        prefix = f"model{index}."  # the baselines' Horovod tensor names must differ between models
+        baseline = hvd.DistributedOptimizer(
+            make_optimizer(kind, baseline_model),
+            named_parameters=[(prefix + n, p) for n, p in baseline_model.named_parameters()],
+        )
+        scheduled = bsc.ScheduledOptimizer(
+            scheduled_model,
+            hvd.DistributedOptimizer(
+                make_optimizer(kind, scheduled_model),
+                named_parameters=[(prefix + n, p) for n, p in scheduled_model.named_parameters()],
+            ),
+            STEPS, partition_bytes=PARTITION, timeout=30,
+        )
+        runs.append((name, kind, make_batch, baseline_model, baseline, scheduled_model, scheduled))
+    error = None
+    try:
+        for step in range(STEPS):
+            for index, (_, _, make_batch, *pairs) in enumerate(runs):
+                for model, optimizer in (pairs[0:2], pairs[2:4]):
+                    optimizer.zero_grad()
+                    x, y = batch(make_batch, step, index)
+                    F.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+        for run in runs:
+            run[-1].synchronize()
+    except Exception as caught:  # noqa: BLE001 - the test asserts on what was raised
+        error = f"{type(caught).__name__}: {caught}"[:2000]
+    for run in runs:  # closed first: a failed optimizer's read guard would raise on reading parameters
+        try:
+            run[-1].close(wait=error is None)
+        except Exception as caught:  # noqa: BLE001
+            error = error or f"{type(caught).__name__}: {caught}"[:2000]
+    report(
+        scenario="two", error=error,
+        runs=[{"model": name, "optimizer": kind, "max_abs_diff": max_difference(baseline_model, scheduled_model)}
+              for name, kind, _, baseline_model, _, scheduled_model, _ in runs],
+    )
+    if error is not None:
+        sys.exit(4)
+
+
+def scenario_dies() -> None:
+    model, make_batch = fresh_model("cnn-small")
+    optimizer = bsc.ScheduledOptimizer(
+        model,
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(),
+        ),
+        1000,
+        partition_bytes=PARTITION,
+        timeout=8,
+    )
+    started = None
+    step = 0
+    try:
+        for step in range(1000):
+            if step == 3:
+                if hvd.rank() == 1:
+                    print(f"DYING at {time.time():.3f}", flush=True)
+                    os._exit(17)
+                started = time.monotonic()
+            optimizer.zero_grad()
+            x, y = batch(make_batch, step)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        optimizer.synchronize()
+    except BaseException as error:  # noqa: BLE001 - the test asserts on what was raised
+        report(
+            scenario="dies", raised=True, type=type(error).__name__,
+            module=type(error).__module__, message=str(error)[:2000], step=step,
+            elapsed=None if started is None else time.monotonic() - started,
+            at=time.time(),
+        )
+        optimizer.close(wait=False)
+        sys.exit(3)
+    report(scenario="dies", raised=False, step=step)
+
+
+def scenario_bad() -> None:
+    cases = {
+        "compression": dict(compression=hvd.Compression.fp16),
+        "op": dict(op=hvd.Sum),
+        "predivide": dict(gradient_predivide_factor=2.0),
+        "groups": dict(groups=2),
+    }
+    errors = {}
+    for case, options in cases.items():
+        model, _ = fresh_model("tiny")
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), **options,
+        )
+        try:
+            bsc.ScheduledOptimizer(model, optimizer, 10)
+        except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
+            errors[case] = {"type": type(error).__name__, "message": str(error)}
+        else:
+            errors[case] = None
+    # Wrapping twice would register a second set of hooks: every update applied twice.
+    model, _ = fresh_model("tiny")
+    once = bsc.ScheduledOptimizer(
+        model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters()), 10,
+    )
+    try:
+        twice = bsc.ScheduledOptimizer(model, once, 10)
+    except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
+        errors["twice"] = {"type": type(error).__name__, "message": str(error)}
+    else:
+        errors["twice"] = None
+        twice.close()
+    once.close()
+    report(scenario="bad", errors=errors)
+
+
+SCENARIOS = {
+    "equal": scenario_equal,
+    "accumulate": scenario_accumulate,
+    "idiom": scenario_idiom,
+    "two": scenario_two,
+    "dies": scenario_dies,
+    "bad": scenario_bad,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    bsc.init()
+    if hvd.size() < 2:
+        sys.exit("run under horovodrun with at least 2 processes")
+    SCENARIOS[args.scenario]()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""bytescheduler.pytorch.horovod under a real Horovod (gloo), 2 ranks started by horovodrun.
+
+Each test runs one scenario of ``tests/horovod_worker.py`` on 2 processes and asserts on the
+``RESULT {json}`` line each rank prints. Horovod is installed by the project's set-up
+(``make test``), so nothing here is skipped: a missing Horovod is a failure.
+
+What happens when a peer dies (observed with Horovod 0.28.1, gloo):
+
+- Horovod's background loop on the surviving rank gets gloo's "Connection closed by peer"
+  (or "Connection reset by peer"), logs it and shuts Horovod down; every pending
+  ``allreduce_async_`` handle then fails with ``HorovodInternalError`` ("Horovod has been
+  shut down"). bytescheduler turns that into ``bytescheduler.CommunicationError`` in the
+  training thread within tens of milliseconds (long before its own timeout).
+- horovodrun (non-elastic) terminates every other worker as soon as one exits non-zero
+  (SIGTERM, then SIGKILL after 5 s) and exits with 1 naming the first failed process. The
+  surviving rank is therefore often killed before (or just after) it reports the error.
+
+So the test under horovodrun asserts the job-level behaviour (ends fast, non-zero, rank 1
+named with its code), and a second test starts the two ranks with Horovod's own rendezvous
+server but without horovodrun's kill-all, to assert rank 0's behaviour deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "horovod_worker.py")
+BIN = os.path.dirname(sys.executable)
+HOROVODRUN = os.path.join(BIN, "horovodrun")
+TIMEOUT = 180  # seconds per job; a tiny job takes about 3 s, the largest about 15 s
+DIES_TIMEOUT = 8  # the worker's ScheduledOptimizer timeout in the dies scenario
+
+_RESULT = re.compile(r"RESULT (\{.*\})\s*$")
+
+
+def _env() -> Dict[str, str]:
+    """horovodrun starts whatever ``python`` is first on PATH: make it this interpreter."""
+    env = dict(os.environ)
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in list(env):
+        if name.startswith(("HOROVOD_", "BYTESCHEDULER_")):
+            del env[name]  # a setting of the caller's must not change the scenario
+    return env
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kill what we started: the process group of ``process`` and its descendants, by pid.
+
+    horovodrun's workers run in sessions of their own (its middleman calls setsid), so they
+    are not in our group; their pids are collected before the group is killed.
+    """
+    descendants = []
+    try:
+        import psutil
+
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - psutil missing or the process already gone
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    process.wait(10)
+
+
+def _communicate(process: subprocess.Popen, timeout: float, what: str) -> Tuple[str, str]:
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(process)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{what} did not finish within {timeout} s (a hang); killed.\n"
+                    f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}")
+
+
+def horovodrun(scenario: str, timeout: float = TIMEOUT) -> Tuple[int, str, str, float]:
+    """Run the worker's ``scenario`` on 2 ranks; return (exit code, stdout, stderr, seconds)."""
+    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER, scenario]
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )
+    stdout, stderr = _communicate(process, timeout, f"horovodrun {scenario}")
+    return process.returncode, stdout, stderr, time.monotonic() - started
+
+
+def results(stdout: str) -> Dict[int, dict]:
+    """The RESULT line of each rank, by rank (horovodrun prefixes lines with ``[rank]<stdout>:``)."""
+    found: Dict[int, dict] = {}
+    for line in stdout.splitlines():
+        match = _RESULT.search(line)
+        if match:
+            value = json.loads(match.group(1))
+            found[value["rank"]] = value
+    return found
+
+
+def run_ok(scenario: str) -> Dict[int, dict]:
+    code, stdout, stderr, _ = horovodrun(scenario)
+    assert code == 0, f"exit code {code}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
+    found = results(stdout)
+    assert sorted(found) == [0, 1], stdout[-4000:]
+    return found
+
+
+def _check_equal_runs(found: Dict[int, dict], expected: List[Tuple[str, str, int]]) -> None:
+    for rank, result in found.items():
+        runs = result["runs"]
+        assert [(r["model"], r["optimizer"], r["passes"]) for r in runs] == expected
+        for run in runs:
+            label = f"rank {rank} {run['model']} {run['optimizer']} passes={run['passes']}"
+            # Bit-identical to hvd.DistributedOptimizer alone: a sum of 2 values is exact in any order.
+            assert run["max_abs_diff"] == 0.0, label
+            assert run["losses_equal"], label
+            assert run["moved"] > 1e-4, f"{label}: training did not change the parameters"
+            user_class = "SGD" if run["optimizer"] == "sgd" else "AdamW"
+            assert run["isinstance"] and run["class_name"] == user_class, label
+            baseline_lr, scheduled_lr = run["lr"]
+            assert scheduled_lr == baseline_lr, label
+            if run["optimizer"] == "adamw":
+                assert scheduled_lr == pytest.approx(1e-3 * 0.5 ** 6), f"{label}: StepLR ran 30 steps"
+            stats = run["stats"]
+            assert stats["operations"] > 0, label
+            # Partitioned: more operations than tensors x steps; no merging under Horovod.
+            assert stats["operations"] > 30 * run["tensors"], f"{label}: {stats}"
+            assert stats["pieces"] == stats["operations"], label
+            assert 0 < stats["peak_in_flight_bytes"], label
+    for index in range(len(expected)):
+        assert found[0]["runs"][index]["checksum"] == found[1]["runs"][index]["checksum"], (
+            "ranks hold different parameters"
+        )
+
+
+def test_scheduled_equals_horovod_distributed_optimizer():
+    found = run_ok("equal")
+    _check_equal_runs(found, [
+        ("cnn-small", "sgd", 1), ("cnn-small", "adamw", 1), ("gpt2-small", "sgd", 1), ("gpt2-small", "adamw", 1),
+    ])
+
+
+def test_gradient_accumulation_equals_horovod():
+    found = run_ok("accumulate")
+    _check_equal_runs(found, [("cnn-small", "sgd", 2)])
+
+
+def test_horovod_idioms_and_plain_optimizer_equal_horovod():
+    """hvd.broadcast_optimizer_state after wrapping, a checkpoint round trip, a plain optimizer."""
+    found = run_ok("idiom")
+    _check_equal_runs(found, [
+        ("cnn-small", "adamw", 1), ("gpt2-small", "sgd", 1), ("cnn-small", "sgd", 1), ("cnn-small", "adamw", 2),
+    ])
+    assert [(r["idiom"], r["plain"]) for r in found[0]["runs"]] == [
+        (True, False), (True, False), (False, True), (False, True),
+    ]
+
+
+def test_two_scheduled_optimizers_in_one_process():
+    """A GAN has two optimizers: each steps while the other's gradients may be in flight."""
+    code, stdout, stderr, _ = horovodrun("two")
+    found = results(stdout)
+    assert sorted(found) == [0, 1], f"exit code {code}\n{stdout[-4000:]}\n{stderr[-4000:]}"
+    for rank, result in found.items():
+        assert result["error"] is None, f"rank {rank}: {result['error']}"
+        for run in result["runs"]:
+            assert run["max_abs_diff"] == 0.0, (rank, run)
+    assert code == 0, stderr[-4000:]
+
+
+_bad_results: Dict[int, dict] = {}
+
+
+def _bad() -> Dict[int, dict]:
+    """The ``bad`` scenario, run once for the tests that read it."""
+    if not _bad_results:
+        _bad_results.update(run_ok("bad"))
+    return _bad_results
+
+
+def test_unsupported_settings_raise_clear_value_errors():
+    for rank, result in _bad().items():
+        errors = result["errors"]
+        for case, word in (("compression", "compression"), ("op", "op="), ("predivide", "predivide"),
+                           ("groups", "groups")):
+            error = errors[case]
+            assert error is not None, f"rank {rank}: {case} was accepted"
+            assert error["type"] == "ValueError", (rank, case, error)
+            assert word in error["message"].lower(), (rank, case, error)
+
+
+def test_wrapping_a_scheduled_optimizer_again_raises():
+    """Like bytescheduler.pytorch.ScheduledOptimizer, which raises TypeError("... already wrapped ...")."""
+    for rank, result in _bad().items():
+        error = result["errors"]["twice"]
+        assert error is not None, f"rank {rank}: a scheduled optimizer was wrapped again without an error"
+        assert error["type"] == "TypeError" and "already wrapped" in error["message"], (rank, error)
+
+
+def test_peer_death_under_horovodrun_ends_the_job_fast():
+    code, stdout, stderr, seconds = horovodrun("dies")
+    output = stdout + stderr
+    assert code != 0, output[-4000:]
+    # Not a hang: far below the 180 s deadline; startup plus a few steps, plus horovodrun's
+    # 5 s grace period when it terminates the survivor.
+    assert seconds < 60, f"took {seconds:.1f} s"
+    assert "DYING" in stdout, output[-4000:]
+    assert "Process 1 exit with status code 17" in stdout, output[-4000:]
+    assert "Exit code: 17" in stderr, output[-4000:]
+    # horovodrun terminates rank 0 as soon as rank 1 fails; whether rank 0 reported its
+    # error before that is a race. When it did, the error is bytescheduler's, and fast.
+    found = results(stdout)
+    assert 1 not in found
+    if 0 in found:
+        _check_rank0_error(found[0])
+
+
+def test_peer_death_rank0_raises_without_horovodrun_kill_all():
+    """The same ranks, started with Horovod's rendezvous server but nobody killing rank 0."""
+    codes, stdout, seconds = _launch_without_kill_all("dies")
+    assert codes == [3, 17], f"exit codes {codes}\n{stdout[-4000:]}"  # 3: the worker caught the error
+    assert seconds < 60, f"took {seconds:.1f} s"
+    found = results(stdout)
+    assert sorted(found) == [0], stdout[-4000:]
+    _check_rank0_error(found[0])
+
+
+def _check_rank0_error(result: dict) -> None:
+    assert result["raised"], result
+    assert (result["module"], result["type"]) == ("bytescheduler.core.errors", "CommunicationError"), result
+    assert "HorovodInternalError" in result["message"], result
+    # Raised in step 3 (its gradients never complete), or in step 4's forward, which waits for them.
+    assert result["step"] in (3, 4), result
+    # Horovod reports the dead peer at once; bytescheduler does not wait for its own timeout.
+    assert 0 <= result["elapsed"] < DIES_TIMEOUT, result
+
+
+def _launch_without_kill_all(scenario: str, timeout: float = TIMEOUT) -> Tuple[List[int], str, float]:
+    """Start 2 ranks as horovodrun --gloo does (rendezvous server, HOROVOD_* variables), minus kill-all."""
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.http.http_server import RendezvousServer
+
+    server = RendezvousServer(False)
+    plan = get_host_assignments(parse_hosts("localhost:2"), 2)
+    port = server.start()
+    processes: List[subprocess.Popen] = []
+    started = time.monotonic()
+    try:
+        server.init(plan)
+        for slot in plan:
+            env = _env()
+            env.update({
+                "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+                "HOROVOD_CONTROLLER": "gloo",
+                "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_GLOO_IFACE": "lo",
+                "HOROVOD_HOSTNAME": slot.hostname,
+                "HOROVOD_RANK": str(slot.rank),
+                "HOROVOD_SIZE": str(slot.size),
+                "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+                "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+                "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+                "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+            })
+            processes.append(subprocess.Popen(
+                [sys.executable, WORKER, scenario], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            ))
+        outputs = []
+        for rank, process in enumerate(processes):
+            remaining = max(1.0, timeout - (time.monotonic() - started))
+            outputs.append(_communicate(process, remaining, f"rank {rank} of {scenario}")[0])
+        return [p.returncode for p in processes], "\n".join(outputs), time.monotonic() - started
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                _kill(process)
+        server.stop()
