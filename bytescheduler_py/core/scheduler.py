@@ -243,6 +243,9 @@ class Scheduler:
             task.future.set_exception(closed)
         if self._timeline is not None:
             self._timeline.close()
+        if (not wait or self._error is not None) and hasattr(self._channel, "broken"):
+            # Abandoned or failed: operations posted on one rank only may remain on its groups.
+            self._channel.broken = True
         logger.debug("scheduler epoch %d stopped: %s", self._epoch, self.stats)
         if wait and not self._error_raised:
             with self._cond:

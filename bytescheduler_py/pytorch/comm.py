@@ -116,7 +116,10 @@ class TorchCommunicator:
             if group != dist.GroupMember.NON_GROUP_MEMBER:
                 mine = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group), float(timeout))
                 pool = cls._pools.get((id(world),) + mine, [])
-                report = (mine, tuple(i for i, c in enumerate(pool) if c is not None and not c.claimed))
+                # A broken communicator is never offered: the reports then make every rank
+                # create fresh groups together.
+                report = (mine, tuple(i for i, c in enumerate(pool)
+                                      if c is not None and not c.claimed and not c.broken))
         # Every process learns what the others want and have free, so all pick the same
         # communicator and create the same groups in the same order.
         reports: List[Any] = [None] * dist.get_world_size()

@@ -142,9 +142,13 @@ def ScheduledOptimizer(
     communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
     if communicator is None:
         raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
-    if broadcast_parameters:
-        _broadcast_from_first(model, process_group, communicator.ranks[0])
-    scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, config=config)
+    try:
+        if broadcast_parameters:
+            _broadcast_from_first(model, process_group, communicator.ranks[0])
+        scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, config=config)
+    except BaseException:
+        communicator.release()
+        raise
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(

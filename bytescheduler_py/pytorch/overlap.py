@@ -227,6 +227,9 @@ class OverlapEngine:
                 state = _ParamState(param, key, names.get(id(param), f"param{key}"), priority, group_index)
                 state.sub = _sub_optimizer(self._optimizer, self._base, param, group)
                 self.states[id(param)] = state
+                # Runs before autograd accumulates into p.grad: a gradient that would change
+                # p.grad while it is in flight or awaiting its update is refused there.
+                self._handles.append(param.register_hook(lambda grad, state=state: self._check_accumulate(state)))
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
 
     def add_param_group(self, group_index: int) -> None:
@@ -249,22 +252,26 @@ class OverlapEngine:
             _ReadGuard.busy += 1 if stage != IDLE else -1
         state.stage = stage
 
+    def _check_accumulate(self, state: _ParamState) -> None:
+        with self._cond:
+            self._raise_if_failed()
+            if state.stage == IDLE:
+                return
+            if state.step_number > self._steps_called:
+                raise GradientError(
+                    f"parameter {state.name!r} got another gradient before optimizer.step() while "
+                    "its previous gradient is being communicated: to accumulate gradients over k "
+                    "backward passes, pass backward_passes_per_step=k"
+                )
+            raise GradientError(
+                f"parameter {state.name!r} got a gradient while its update from the last step was "
+                "still pending; it was used without going through a module forward or a torch "
+                "operation on this thread (call optimizer.synchronize() before such use)"
+            )
+
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         state = self.states[id(param)]
         with self._cond:
-            self._raise_if_failed()
-            if state.stage != IDLE:
-                if state.step_number > self._steps_called:
-                    raise GradientError(
-                        f"parameter {state.name!r} got another gradient before optimizer.step() while "
-                        "its previous gradient is being communicated: to accumulate gradients over k "
-                        "backward passes, pass backward_passes_per_step=k"
-                    )
-                raise GradientError(
-                    f"parameter {state.name!r} got a gradient while its update from the last step was "
-                    "still pending; it was used without going through a module forward or a torch "
-                    "operation on this thread (call optimizer.synchronize() before such use)"
-                )
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
                 return
