@@ -37,7 +37,7 @@ $(VENV_MXNET)/bin/.installed: setup.py scripts/install_mxnet.sh
 mxnet: $(VENV_MXNET)/bin/.installed
 
 demo: setup
-	$(BIN)/bytescheduler demo
+	$(BIN)/bytescheduler bench --quick --out bench-results/quick
 
 # The main environment has no MXNet: there tests/conftest.py leaves tests/mxnet out, and the
 # second run collects it in the MXNet environment (where it fails loudly if MXNet is broken).
