@@ -284,6 +284,21 @@ def test_small_operations_use_the_fast_lane(cleanup):
         (10, 1), (40, 1), (41, 0), (100, 0), (100, 0), (100, 0), (50, 0)]
 
 
+def test_fast_lane_has_its_own_window_so_urgent_small_ops_pass_a_full_credit(cleanup):
+    backend = cleanup.backend("manual", num_lanes=2)
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=200, merge=False, fast_lane_bytes=40)
+    big = s.submit(make_task(0, 400, priority=5))  # 4 pieces of 100; the credit holds 2
+    backend.wait_launched(2)
+    small = [s.submit(make_task(k, 20, priority=0)) for k in (1, 2, 3)]  # urgent and small
+    backend.wait_launched(4)  # two of them go at once on lane 1 despite the full main credit
+    lanes = [(r.nbytes, r.lane) for r in backend.ops]
+    assert lanes == [(100, 0), (100, 0), (20, 1), (20, 1)], lanes
+    assert len(backend.ops) == 4  # the third small op waits for room in the 40-byte fast window
+    backend.release_until_done(small + [big])
+    assert [r.lane for r in backend.ops].count(1) == 3
+    results(small + [big])
+
+
 @pytest.mark.parametrize("num_lanes, fast_lane", [(None, 40), (1, 40), (2, 0)])
 def test_single_lane_or_fast_lane_off(cleanup, num_lanes, fast_lane):
     backend = cleanup.backend("immediate", num_lanes=num_lanes)

@@ -121,8 +121,10 @@ class SchedulerConfig:
     credit_bytes: at most this many bytes are in flight at once (a single piece larger
         than the credit goes out alone when nothing else is in flight).
     merge: fuse small ready pieces of the same dtype/device into one operation.
-    fast_lane_bytes: operations of at most this size go to a second communication lane so
-        they do not queue behind large ones in the backend's FIFO; 0 turns the lane off.
+    fast_lane_bytes: operations of at most this size go to a second communication lane, with
+        a window of its own of this many bytes, so an urgent small tensor neither queues behind
+        large ones in the backend's FIFO nor waits for a full main credit; 0 turns it off.
+        Bytes in flight never exceed ``credit_bytes + fast_lane_bytes``.
     timeout: seconds a communication operation (or a peer it waits for) may take before
         :class:`~bytescheduler.core.errors.CommunicationTimeout` is raised.
     timeline: path of the Chrome trace to write (one file per rank), or None.

@@ -103,6 +103,9 @@ class Scheduler:
         self._cond = threading.Condition(threading.Lock())
         self._heap: List[Piece] = []
         self._credit = CreditWindow(config.credit_bytes)
+        self._fast_credit: Optional[CreditWindow] = None
+        if self._lanes > 1 and config.fast_lane_bytes > 0:
+            self._fast_credit = CreditWindow(config.fast_lane_bytes)
         self._in_flight: Dict[int, Operation] = {}
         self._pending: Dict[Tuple[int, int], Task] = {}
         self._generations: Dict[int, int] = {}
@@ -343,13 +346,26 @@ class Scheduler:
             piece.queued_time = now
             heapq.heappush(self._heap, piece)
 
+    def _window(self, nbytes: int) -> Tuple[CreditWindow, int, int]:
+        """The credit window, lane and merge limit for an operation starting with ``nbytes``."""
+        if self._fast_credit is not None and nbytes <= self.config.fast_lane_bytes:
+            return self._fast_credit, 1, self.config.fast_lane_bytes
+        return self._credit, 0, self.config.partition_bytes
+
     def _take_ops(self) -> List[Operation]:
-        """Pop what the credit admits now, highest priority first, fusing small neighbours."""
-        heap, credit = self._heap, self._credit
-        limit = self.config.partition_bytes
+        """Pop what the credit admits now, highest priority first, fusing small neighbours.
+
+        Small operations go to the fast lane and count against its own window, so an urgent
+        small tensor (the first layers', ready last in backward) never waits for the large
+        pieces that fill the main credit; large ones count against ``credit_bytes``.
+        """
+        heap = self._heap
         merge = self.config.merge
         ops: List[Operation] = []
-        while heap and credit.admits(heap[0].nbytes):
+        while heap:
+            window, lane, limit = self._window(heap[0].nbytes)
+            if not window.admits(heap[0].nbytes):
+                break
             first = heapq.heappop(heap)
             pieces = [first]
             total = first.nbytes
@@ -361,20 +377,19 @@ class Scheduler:
                     if (
                         candidate.task.fuse_key != fuse_key
                         or size > limit
-                        or credit.in_flight + size > credit.capacity
+                        or window.in_flight + size > window.capacity
                     ):
                         break
                     pieces.append(heapq.heappop(heap))
                     total = size
-            credit.take(total)
-            ops.append(self._new_op(pieces, total))
+            window.take(total)
+            op = Operation(pieces, lane, next(self._op_ids))
+            self._in_flight[op.op_id] = op
+            ops.append(op)
         return ops
 
-    def _new_op(self, pieces: List[Piece], total: int) -> Operation:
-        lane = 1 if self._lanes > 1 and total <= self.config.fast_lane_bytes else 0
-        op = Operation(pieces, lane, next(self._op_ids))
-        self._in_flight[op.op_id] = op
-        return op
+    def _lane_window(self, lane: int) -> CreditWindow:
+        return self._fast_credit if lane == 1 and self._fast_credit is not None else self._credit
 
     def _run_dispatch(self) -> None:
         """The dispatcher thread: take what may go now, publish it (leader), launch it."""
@@ -436,7 +451,7 @@ class Scheduler:
         with self._cond:
             if self._in_flight.pop(op.op_id, None) is None:
                 return  # already failed and cleared
-            self._credit.release(op.nbytes)
+            self._lane_window(op.lane).release(op.nbytes)
             for piece in op.pieces:
                 task = piece.task
                 task.remaining -= piece.stop - piece.start
@@ -518,6 +533,6 @@ class Scheduler:
             self._decided.popleft()
             op = Operation(pieces, min(lane, self._lanes - 1), next(self._op_ids))
             self._in_flight[op.op_id] = op
-            self._credit.take(op.nbytes)
+            self._lane_window(op.lane).take(op.nbytes)
             ops.append(op)
         return ops
