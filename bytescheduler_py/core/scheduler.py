@@ -210,6 +210,7 @@ class Scheduler:
             "operations": self._ops_launched,
             "pieces": self._pieces_launched,
             "peak_in_flight_bytes": self._credit.peak,
+            "peak_fast_lane_bytes": self._fast_credit.peak if self._fast_credit is not None else 0,
         }
 
     def stop(self, wait: bool = True) -> None:
