@@ -24,7 +24,6 @@ import pytest
 
 from bytescheduler.mxnet.launch import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, launch
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 PY = sys.executable
