@@ -806,3 +806,38 @@ CASES = {
     "zero_grad": (_zero_grad, ()),
     "misuse": (_misuse, ()),
 }
+
+
+def _add_param_group_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    ours, base = net(), DDP(net())
+    opt = bsp.ScheduledOptimizer(ours, torch.optim.SGD(ours[0].parameters(), lr=0.1, momentum=0.9))
+    ref = torch.optim.SGD(base.module[0].parameters(), lr=0.1, momentum=0.9)
+    data = torch.Generator().manual_seed(rank)
+    for step in range(8):
+        if step == 3:  # a second group, with its own learning rate, after training started
+            opt.add_param_group({"params": list(ours[2].parameters()), "lr": 0.01})
+            ref.add_param_group({"params": list(base.module[2].parameters()), "lr": 0.01})
+        x, y = torch.randn(4, 8, generator=data), torch.randint(0, 4, (4,), generator=data)
+        for model, optimizer in ((ours, opt), (base, ref)):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    opt.synchronize()
+    groups = [state.group for state in opt._bytescheduler.states.values()]
+    same = all(torch.equal(a, b) for a, b in zip(ours.parameters(), base.module.parameters()))
+    opt.close()
+    return same, groups
+
+
+def test_add_param_group_after_training_started_equals_ddp():
+    for same, groups in run_ranks(_add_param_group_worker, 2, deadline=120):
+        assert same
+        assert groups == [0, 0, 1, 1]

@@ -202,9 +202,9 @@ class OverlapEngine:
         self._handles: List[Any] = []
         self.states: Dict[int, _ParamState] = {}
 
-        names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
-        order = {id(p): i for i, p in enumerate(model.parameters())}
-        self._register_params(optimizer.param_groups, names, order)
+        self._names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
+        self._order = {id(p): i for i, p in enumerate(model.parameters())}
+        self._register_params(0)
         for module in model.modules():
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
             if own:
@@ -217,14 +217,15 @@ class OverlapEngine:
 
     # ------------------------------------------------------------------ registration
 
-    def _register_params(self, groups: Sequence[dict], names: Dict[int, str], order: Dict[int, int]) -> None:
-        for group_index, group in enumerate(groups):
+    def _register_params(self, first_group: int) -> None:
+        """Hook the parameters of the optimizer's groups from ``first_group`` on."""
+        for group_index, group in enumerate(self._optimizer.param_groups[first_group:], start=first_group):
             for param in group["params"]:
                 if id(param) in self.states or not param.requires_grad:
                     continue
                 key = len(self.states)
-                priority = order.get(id(param), len(order) + key)
-                state = _ParamState(param, key, names.get(id(param), f"param{key}"), priority, group_index)
+                priority = self._order.get(id(param), len(self._order) + key)
+                state = _ParamState(param, key, self._names.get(id(param), f"param{key}"), priority, group_index)
                 state.sub = _sub_optimizer(self._optimizer, self._base, param, group)
                 self.states[id(param)] = state
                 # Runs before autograd accumulates into p.grad: a gradient that would change
@@ -234,10 +235,7 @@ class OverlapEngine:
 
     def add_param_group(self, group_index: int) -> None:
         """Register the parameters of a group the user added after construction."""
-        self._register_params(self._optimizer.param_groups[group_index:group_index + 1], {}, {})
-        for state in self.states.values():
-            if state.group == 0 and state.param not in self._optimizer.param_groups[0]["params"]:
-                state.group = group_index
+        self._register_params(group_index)
 
     def refresh_state(self) -> None:
         """Re-point the per-parameter optimizers at the optimizer's state (after load_state_dict)."""
