@@ -12,7 +12,6 @@ the scheduler wins on slow networks (see docs/), and must cost nothing here.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import sys
@@ -133,8 +132,8 @@ def main(argv: List[str] = None) -> int:
               for name in times}
     baseline = statistics.median(blocks["DDP default"])
     print()
-    print(f"| system | median s/iter | min | max | samples/s (2 ranks) | speedup |")
-    print(f"|---|---|---|---|---|---|")
+    print("| system | median s/iter | min | max | samples/s (2 ranks) | speedup |")
+    print("|---|---|---|---|---|---|")
     for name, values in blocks.items():
         median = statistics.median(values)
         print(f"| {name} | {median:.4f} | {min(values):.4f} | {max(values):.4f} | "

@@ -14,7 +14,7 @@ import glob
 import json
 import os
 import statistics
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "horovod-scheduled": "horovod", "mxnet-scheduled": "mxnet"}
 LABELS = {

@@ -14,7 +14,7 @@ import os
 import resource
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist

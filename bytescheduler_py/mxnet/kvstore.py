@@ -43,7 +43,6 @@ import copy
 import logging
 import queue
 import threading
-import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
