@@ -73,7 +73,8 @@ def checksum(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
 
-def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool = False) -> dict:
+def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool = False,
+            auto_tune: bool = False, steps: int = STEPS) -> dict:
     """Train a scheduled and a baseline copy of one model side by side; return what differs.
 
     With ``idiom``, both also do what Horovod scripts (and ByteScheduler's own example) do:
@@ -96,8 +97,8 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
             inner, named_parameters=scheduled_model.named_parameters(), backward_passes_per_step=passes,
         )
     scheduled = bsc.ScheduledOptimizer(
-        scheduled_model, inner, STEPS, partition_bytes=PARTITION, timeout=60,
-        backward_passes_per_step=passes if plain else None,
+        scheduled_model, inner, steps, partition_bytes=PARTITION, timeout=60,
+        backward_passes_per_step=passes if plain else None, auto_tune=auto_tune,
     )
     user_class = torch.optim.SGD if kind == "sgd" else torch.optim.AdamW
     runs = [
@@ -109,8 +110,8 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     losses = [[], []]
-    for step in range(STEPS):
-        if idiom and step == STEPS // 3:
+    for step in range(steps):
+        if idiom and step == steps // 3:
             for _, optimizer, _ in runs:
                 optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         for index, (model, optimizer, schedule) in enumerate(runs):
@@ -125,6 +126,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
                 schedule.step()
     scheduled.synchronize()
     stats = dict(scheduled._bytescheduler.scheduler.stats)
+    tuner = scheduled._bytescheduler.scheduler.tuner
     result = {
         "model": name,
         "optimizer": kind,
@@ -140,6 +142,9 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
         "checksum": checksum(scheduled_model),
         "tensors": sum(1 for p in scheduled_model.parameters() if p.requires_grad),
         "stats": stats,
+        "tuning": None if tuner is None else {
+            "done": tuner.done, "settings": [[t.partition_bytes, t.credit_bytes] for t in tuner.history],
+        },
     }
     scheduled.close()
     return result
@@ -162,6 +167,10 @@ def scenario_idiom() -> None:
         compare("cnn-small", "adamw", 2, plain=True),
     ]
     report(scenario="idiom", runs=runs)
+
+
+def scenario_tune() -> None:
+    report(scenario="tune", runs=[compare("cnn-small", "sgd", 1, auto_tune=True, steps=120)])
 
 
 def scenario_two() -> None:
@@ -295,6 +304,7 @@ SCENARIOS = {
     "accumulate": scenario_accumulate,
     "idiom": scenario_idiom,
     "two": scenario_two,
+    "tune": scenario_tune,
     "dies": scenario_dies,
     "bad": scenario_bad,
 }

@@ -54,7 +54,9 @@ def _train_pair(rank, world_size, options, reference):
     relative = max(
         ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours.parameters(), theirs.parameters())
     )
-    return absolute, relative, state.scheduler.stats
+    tuner = state.scheduler.tuner
+    stats = dict(state.scheduler.stats, trials=None if tuner is None else len(tuner.history))
+    return absolute, relative, stats
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -68,10 +70,16 @@ def test_equals_ddp_default_within_1e6(world_size):
         assert stats["peak_in_flight_bytes"] + stats["peak_fast_lane_bytes"] > 0
 
 
-def test_equals_allreduce_hook_exactly_on_two_ranks_with_partition_and_merge():
-    options = dict(partition_bytes=16 * 1024, credit_bytes=64 * 1024, merge=True)
-    for absolute, _, _ in run_ranks(_train_pair, 2, (options, "allreduce_hook"), deadline=180):
-        assert absolute == 0.0
+@pytest.mark.parametrize("auto_tune", [False, True])
+def test_equals_allreduce_hook_exactly_on_two_ranks_with_partition_and_merge(auto_tune):
+    options = dict(partition_bytes=16 * 1024, credit_bytes=64 * 1024, merge=True, auto_tune=auto_tune)
+    leader, follower = run_ranks(_train_pair, 2, (options, "allreduce_hook"), deadline=180)
+    assert leader[0] == 0.0 and follower[0] == 0.0
+    assert follower[2]["trials"] is None  # only rank 0 decides pieces, so only it tunes
+    if auto_tune:
+        assert leader[2]["trials"] >= 3, "the tuner must have measured several settings during training"
+    else:
+        assert leader[2]["trials"] is None
 
 
 def test_equals_allreduce_hook_exactly_on_three_ranks_with_merging_off():

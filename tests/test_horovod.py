@@ -172,6 +172,17 @@ def test_horovod_idioms_and_plain_optimizer_equal_horovod():
     ]
 
 
+def test_auto_tuning_switches_every_rank_alike_and_keeps_the_numbers():
+    found = run_ok("tune")
+    _check_equal_runs(found, [("cnn-small", "sgd", 1)])
+    tunings = [found[rank]["runs"][0]["tuning"] for rank in (0, 1)]
+    # Every rank partitions by itself under Horovod: they must try the same settings at the
+    # same steps (rank 0's measurements decide), or the pieces' names would not match.
+    assert tunings[0] == tunings[1]
+    assert tunings[0]["done"], tunings[0]
+    assert len(tunings[0]["settings"]) >= 3 and len({p for p, _ in tunings[0]["settings"]}) >= 2, tunings[0]
+
+
 def test_two_scheduled_optimizers_in_one_process():
     """A GAN has two optimizers: each steps while the other's gradients may be in flight."""
     code, stdout, stderr, _ = horovodrun("two")

@@ -202,7 +202,7 @@ def _results(grouped, name):
 
 
 REAL_CASES = ("real:cnn-small", "real:gpt2-small", "evaluation")
-SMALL_CASES = ("any_optimizer", "drop_in", "outside_use", "frozen", "clipping", "zero_grad", "misuse")
+SMALL_CASES = ("auto_tune", "any_optimizer", "drop_in", "outside_use", "frozen", "clipping", "zero_grad", "misuse")
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +304,16 @@ def test_any_optimizer_equals_ddp(small_models):
             assert class_name == name and is_instance, name
             assert params == [], (name, params)
             assert state == [], (name, state)
+
+
+def test_auto_tuning_on_rank_0_changes_sizes_and_keeps_the_numbers(small_models):
+    leader, follower = _results(small_models, "auto_tune")
+    assert leader["params"] == [] and follower["params"] == []
+    assert follower["tuner"] is None, "followers replay rank 0's pieces: they must not tune"
+    done, settings, result = leader["tuner"]
+    assert done, f"tuning did not finish in 150 steps: {settings}"
+    assert len(set(settings)) >= 4 and len({p for p, _ in settings}) >= 2, settings
+    assert leader["in_use"] == result
 
 
 # --------------------------------------------------------------------------- 3. drop-in behaviour
@@ -794,7 +804,29 @@ def test_misuse_gives_clear_errors(small_models):
         assert out["threads"] == []
 
 
+def _auto_tune(rank, world_size):
+    """Auto-tuning switches partition and credit sizes while training; the numbers stay DDP's."""
+    ours, optimizer, theirs, baseline = _pair(
+        _mlp, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), auto_tune=True, **SMALL)
+    scheduler = optimizer._bytescheduler.scheduler
+    data = torch.Generator().manual_seed(rank)
+    with optimizer:
+        for _ in range(150):  # the same number of steps on every rank
+            x, y = _images(data)
+            _train_step(ours, optimizer, x, y)
+            _train_step(theirs, baseline, x, y)
+        optimizer.synchronize()
+        tuner = scheduler.tuner
+        return {
+            "params": _param_differences(ours, theirs),
+            "tuner": None if tuner is None else (tuner.done, [(t.partition_bytes, t.credit_bytes) for t in tuner.history],
+                                                 tuner.result),
+            "in_use": (scheduler.config.partition_bytes, scheduler.config.credit_bytes),
+        }
+
+
 CASES = {
+    "auto_tune": (_auto_tune, ()),
     "real:cnn-small": (_real_models, ("cnn-small",)),
     "real:gpt2-small": (_real_models, ("gpt2-small",)),
     "evaluation": (_evaluation, ()),

@@ -43,6 +43,7 @@ ENV_DEBUG = "BYTESCHEDULER_DEBUG"
 ENV_TIMEOUT = "BYTESCHEDULER_TIMEOUT"
 ENV_MERGE = "BYTESCHEDULER_MERGE"
 ENV_FAST_LANE = "BYTESCHEDULER_FAST_LANE"
+ENV_TUNING = "BYTESCHEDULER_TUNING"
 
 
 def parse_size(value: Size, name: str) -> int:
@@ -129,6 +130,9 @@ class SchedulerConfig:
         :class:`~bytescheduler.core.errors.CommunicationTimeout` is raised.
     timeline: path of the Chrome trace to write (one file per rank), or None.
     log_level: logging level for the ``bytescheduler`` logger (stderr), or None.
+    auto_tune: search partition and credit sizes online from measured step times,
+        starting from ``partition_bytes`` and ``credit_bytes`` (see
+        :mod:`bytescheduler.core.tuning`); the math is unchanged.
     """
 
     partition_bytes: int = 4 * 1024**2
@@ -138,6 +142,7 @@ class SchedulerConfig:
     timeout: float = 300.0
     timeline: Optional[str] = None
     log_level: Optional[int] = None
+    auto_tune: bool = False
 
     @classmethod
     def resolve(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "SchedulerConfig":
@@ -165,6 +170,7 @@ _PARSERS = {
     "credit_bytes": parse_size,
     "fast_lane_bytes": parse_nonnegative_size,
     "merge": parse_bool,
+    "auto_tune": parse_bool,
     "timeout": parse_timeout,
     "log_level": parse_log_level,
     "timeline": lambda value, name: os.fspath(value),
@@ -179,6 +185,7 @@ _ENVIRONMENT = {
     ENV_TIMEOUT: "timeout",
     ENV_TIMELINE: "timeline",
     ENV_DEBUG: "log_level",
+    ENV_TUNING: "auto_tune",
 }
 
 

@@ -42,6 +42,7 @@ from .ordering import Decision, OrderChannel, decode, encode_ops, encode_stop
 from .partition import partition_ranges
 from .task import Operation, Piece, Task, TaskFuture
 from .timeline import Timeline
+from .tuning import AutoTuner
 
 Done = Callable[[Optional[BaseException]], None]
 
@@ -72,7 +73,11 @@ class Scheduler:
         rank: this process's rank, for logs and the timeline.
         config: a :class:`SchedulerConfig`; keyword arguments (``partition_bytes``,
             ``credit_bytes``, ``merge``, ``fast_lane_bytes``, ``timeout``, ``timeline``,
-            ``log_level``) override it and the ``BYTESCHEDULER_*`` environment variables.
+            ``log_level``, ``auto_tune``) override it and the ``BYTESCHEDULER_*``
+            environment variables.
+        tuning_agree: with ``auto_tune`` and no channel, maps this rank's measured step
+            time to the value every rank uses (e.g. a broadcast from rank 0), for backends
+            whose ranks must partition alike; None when each rank may tune alone.
 
     The scheduler is started on construction and stopped by :meth:`stop` (or the end of
     a ``with`` block). ``stop`` is collective when a channel is used: every rank calls it.
@@ -84,6 +89,7 @@ class Scheduler:
         channel: Optional[OrderChannel] = None,
         rank: int = 0,
         config: Optional[SchedulerConfig] = None,
+        tuning_agree: Optional[Callable[[float], float]] = None,
         **options,
     ) -> None:
         if config is None:
@@ -123,6 +129,10 @@ class Scheduler:
         self._stop_received = False
 
         self._timeline = Timeline(config.timeline, rank) if config.timeline else None
+        # Followers replay the leader's pieces: only the deciding rank tunes.
+        self.tuner: Optional[AutoTuner] = None
+        if config.auto_tune and self._leader:
+            self.tuner = AutoTuner(config.partition_bytes, config.credit_bytes, self.reconfigure, agree=tuning_agree)
         self._ops_launched = 0
         self._pieces_launched = 0
 
@@ -196,6 +206,27 @@ class Scheduler:
         with self._cond:
             self._raise_error()
 
+    def step_boundary(self) -> None:
+        """Tell the scheduler a training step begins (adapters call it once per step).
+
+        Drives auto-tuning when it is on; costs nothing otherwise.
+        """
+        if self.tuner is not None and not self.tuner.done:
+            self.tuner.on_step()
+
+    def reconfigure(self, partition_bytes: Optional[int] = None, credit_bytes: Optional[int] = None) -> None:
+        """Change the partition and credit sizes from now on (tensors already queued keep their pieces).
+
+        Only the deciding rank's sizes matter when an order channel is used; followers replay
+        its pieces.
+        """
+        with self._cond:
+            self.config = self.config.with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
+            self._credit.capacity = self.config.credit_bytes
+            logger.debug("scheduler epoch %d: partition %d bytes, credit %d bytes", self._epoch,
+                         self.config.partition_bytes, self.config.credit_bytes)
+            self._cond.notify_all()
+
     @property
     def in_flight_bytes(self) -> int:
         return self._credit.in_flight
@@ -211,6 +242,8 @@ class Scheduler:
             "pieces": self._pieces_launched,
             "peak_in_flight_bytes": self._credit.peak,
             "peak_fast_lane_bytes": self._fast_credit.peak if self._fast_credit is not None else 0,
+            "partition_bytes": self.config.partition_bytes,
+            "credit_bytes": self.config.credit_bytes,
         }
 
     def stop(self, wait: bool = True) -> None:

@@ -30,9 +30,9 @@ class ScheduledHookState:
             state is collective over the default group, like ``dist.new_group``: processes
             outside the group create one too, passing what ``dist.new_group`` returned to
             them; theirs is inert.
-        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline: see
-            :class:`bytescheduler.core.SchedulerConfig`; None means the environment variable
-            (``BYTESCHEDULER_PARTITION``, ...) or the default.
+        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune:
+            see :class:`bytescheduler.core.SchedulerConfig`; None means the environment
+            variable (``BYTESCHEDULER_PARTITION``, ...) or the default.
         model: optional; when given, a bucket's priority is the smallest position of its
             parameters in ``model.parameters()`` (forward order for most models). Without
             it, the bucket index is used in reverse: DDP numbers buckets in the order their
@@ -51,6 +51,7 @@ class ScheduledHookState:
         timeout: Optional[float] = None,
         timeline: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
+        auto_tune: Optional[bool] = None,
     ) -> None:
         config = SchedulerConfig.resolve(
             partition_bytes=partition_bytes,
@@ -59,6 +60,7 @@ class ScheduledHookState:
             fast_lane_bytes=fast_lane_bytes,
             timeout=timeout,
             timeline=timeline,
+            auto_tune=auto_tune,
         )
         self.communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
         self.scheduler: Optional[Scheduler] = None
@@ -108,6 +110,8 @@ def scheduled_allreduce_hook(
     """
     if state.scheduler is None:
         raise RuntimeError("this process is not a member of the hook state's process group")
+    if bucket.index() == 0:  # the first bucket of an iteration: a step begins
+        state.scheduler.step_boundary()
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
     ready = None

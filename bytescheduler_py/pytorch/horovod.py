@@ -53,7 +53,7 @@ class HorovodBackend:
 
     def __init__(self, op: Any = None) -> None:
         self._op = hvd.Average if op is None else op
-        self._name = f"bytescheduler.{next(_backend_ids)}"
+        self.name = f"bytescheduler.{next(_backend_ids)}"
         self._incoming: "queue.SimpleQueue[Optional[Tuple[int, Done]]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._poll, name="bytescheduler-horovod-poll", daemon=True)
         self._thread.start()
@@ -63,7 +63,7 @@ class HorovodBackend:
             raise ValueError("the Horovod backend takes one piece per operation (merge=False)")
         piece = op.pieces[0]
         view = piece.task.payload.narrow(0, piece.start, piece.stop - piece.start)
-        handle = hvd.allreduce_async_(view, name=f"{self._name}.{piece.task.key}.{piece.start}", op=self._op)
+        handle = hvd.allreduce_async_(view, name=f"{self.name}.{piece.task.key}.{piece.start}", op=self._op)
         self._incoming.put((handle, done))
 
     def _poll(self) -> None:
@@ -134,6 +134,7 @@ def ScheduledOptimizer(
     timeline: Optional[str] = None,
     backward_passes_per_step: Optional[int] = None,
     broadcast_parameters: bool = True,
+    auto_tune: Optional[bool] = None,
 ):
     """Wrap ``hvd.DistributedOptimizer(optimizer)`` (or a plain optimizer) for scheduled overlap.
 
@@ -143,8 +144,9 @@ def ScheduledOptimizer(
             ``backward_passes_per_step`` are kept) or a plain torch optimizer.
         num_steps: accepted for the original API and ignored: nothing needs to know when
             training ends (call ``close()``).
-        partition_bytes, credit_bytes, timeout, timeline: see
-            :class:`bytescheduler.core.SchedulerConfig`.
+        partition_bytes, credit_bytes, timeout, timeline, auto_tune: see
+            :class:`bytescheduler.core.SchedulerConfig`. With ``auto_tune`` every rank
+            uses rank 0's step times, so all ranks switch to the same sizes at the same step.
         backward_passes_per_step: defaults to the Horovod optimizer's.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
 
@@ -157,11 +159,17 @@ def ScheduledOptimizer(
     base, passes = _unwrap(optimizer)
     config = SchedulerConfig.resolve(
         partition_bytes=partition_bytes, credit_bytes=credit_bytes, timeout=timeout, timeline=timeline, merge=False,
+        auto_tune=auto_tune,
     )
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()
-    scheduler = Scheduler(backend, channel=None, rank=hvd.rank(), config=config)
+
+    def agree(seconds: float) -> float:
+        # Every rank partitions by itself here: all must see rank 0's measurement.
+        return float(hvd.broadcast_object(seconds, root_rank=0, name=f"{backend.name}.tune"))
+
+    scheduler = Scheduler(backend, channel=None, rank=hvd.rank(), config=config, tuning_agree=agree)
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(

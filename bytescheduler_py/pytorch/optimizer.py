@@ -109,6 +109,7 @@ def ScheduledOptimizer(
     timeline: Optional[str] = None,
     backward_passes_per_step: int = 1,
     broadcast_parameters: bool = True,
+    auto_tune: Optional[bool] = None,
 ):
     """Wrap ``optimizer`` so that communication overlaps the next forward (torch.distributed).
 
@@ -117,8 +118,8 @@ def ScheduledOptimizer(
         optimizer: any torch optimizer; its class, hyperparameters and state are kept.
         process_group: the group to average over (default: the whole world). Creating the
             optimizer is collective over the default group, like ``dist.new_group``.
-        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline: see
-            :class:`bytescheduler.core.SchedulerConfig` (None: environment or default).
+        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune:
+            see :class:`bytescheduler.core.SchedulerConfig` (None: environment or default).
         backward_passes_per_step: backward passes to accumulate locally before
             communicating (gradient accumulation); a step after fewer passes communicates
             what was accumulated.
@@ -137,7 +138,7 @@ def ScheduledOptimizer(
         raise TypeError("this optimizer is already wrapped by bytescheduler")
     config = SchedulerConfig.resolve(
         partition_bytes=partition_bytes, credit_bytes=credit_bytes, merge=merge,
-        fast_lane_bytes=fast_lane_bytes, timeout=timeout, timeline=timeline,
+        fast_lane_bytes=fast_lane_bytes, timeout=timeout, timeline=timeline, auto_tune=auto_tune,
     )
     communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
     if communicator is None:

@@ -350,6 +350,7 @@ class OverlapEngine:
                 ]
                 self._snapshot_users[step] = users
             self._cond.notify_all()
+        self.scheduler.step_boundary()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients now, or right after a pending update (which still needs them)."""
