@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from bytescheduler.bench.runner import default_mxnet_python
 from bytescheduler.bench.testbed import NamespaceTestbed, make_testbed, namespaces_available
 
 
@@ -75,3 +76,77 @@ def test_bench_failure_is_reported_and_cleans_up(tmp_path):
     assert done.returncode == 1
     assert "partition_bytes" in done.stderr and "failed" in done.stderr
     assert _namespaces() == before
+
+
+def _bench(out, *options, timeout=400):
+    """Run ``bytescheduler bench`` on a 1 Gbit/s testbed with a tiny model; return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-m", "bytescheduler.cli", "bench", "--bandwidth", "1gbit", "--model", "tiny",
+         "--batch-size", "8", "--rounds", "2", "--iters", "1", "--warmup", "1", "--out", str(out),
+         "--deadline", "240", *options],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("baseline, scheduled, labels, link", [
+    ("hvd", "hvd-scheduled", ("Horovod DistributedOptimizer", "Horovod + ScheduledOptimizer"), "Horovod all-reduce"),
+    ("mxnet", "mxnet-scheduled", ("MXNet dist_sync", "MXNet + ScheduledKVStore"), "ps-lite push+pull"),
+], ids=["horovod", "mxnet"])
+def test_bench_runs_another_framework_in_namespaces(tmp_path, baseline, scheduled, labels, link):
+    """Horovod ranks without horovodrun; MXNet as a ps-lite job per block, a server and a worker per namespace."""
+    before = _namespaces()
+    out = tmp_path / "out"
+    done = _bench(out, "--systems", baseline, scheduled)
+    assert _namespaces() == before  # torn down
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    assert list(summary["systems"]) == [baseline, scheduled]
+    for name in (baseline, scheduled):
+        entry = summary["systems"][name]
+        assert len(entry["blocks_s"]) == 2 and min(entry["blocks_s"]) > 0, entry
+        assert (out / f"timeline-{name}.png").stat().st_size > 0, name
+    assert summary["systems"][scheduled]["baseline"] == baseline
+    assert summary["systems"][scheduled]["speedup"] > 0
+    assert summary["systems"][scheduled]["scheduler"]["operations"] > 0
+    assert "namespaces" in summary["network"]
+    # The link is shaped: a large all-reduce or push+pull moves at most ~1 Gbit/s per direction.
+    assert list(summary["links_bytes_per_s"]) == [link]
+    assert 0 < summary["link_bytes_per_s"] * 8 < 1.1e9
+    assert f"| {labels[1]} |" in done.stdout and f"x vs {labels[0]} |" in done.stdout
+    assert (out / "speed.png").stat().st_size > 0
+
+
+def test_bench_without_mxnet_says_why(tmp_path):
+    from argparse import Namespace
+
+    from bytescheduler.bench.runner import HOROVOD_SYSTEMS, MXNET_SYSTEMS, TORCH_SYSTEMS, choose_systems
+
+    # Asked for by name: a clear error before anything runs.
+    done = subprocess.run(
+        [sys.executable, "-m", "bytescheduler.cli", "bench", "--systems", "mxnet", "--mxnet-python",
+         str(tmp_path / "no-python"), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode != 0 and "cannot run mxnet" in done.stderr and "no-python" in done.stderr
+    # By default: left out, with the reason.
+    args = Namespace(quick=False, systems=None, mxnet_python=None, model="tiny")
+    systems, left_out = choose_systems(args)
+    assert systems == list(TORCH_SYSTEMS + HOROVOD_SYSTEMS)
+    assert set(left_out) == set(MXNET_SYSTEMS) and "--mxnet-python" in left_out["mxnet"]
+    # A model without an MXNet version is left out too.
+    args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="gpt2")
+    assert "no MXNet version" in choose_systems(args)[1]["mxnet-scheduled"]
+
+
+def test_mxnet_models_have_the_torch_models_shapes():
+    from bytescheduler.models import build
+
+    script = ("import json; from bytescheduler.bench.mxnet_models import MODELS, shapes; "
+              "print(json.dumps({name: shapes(name) for name in MODELS}))")
+    done = subprocess.run([default_mxnet_python(), "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert set(found) >= {"vgg", "vgg-small", "tiny"}
+    for name, shapes in found.items():
+        model, _ = build(name)
+        assert [list(p.shape) for p in model.parameters()] == shapes, name

@@ -34,12 +34,18 @@ def bar_chart(summary: dict, path: str) -> None:
 
 
 def _iteration_window(compute: List[dict]) -> Tuple[float, float]:
-    """The span of the last traced iteration on rank 0: from its last forward to the next forward or end."""
-    forwards = sorted(e["ts"] for e in compute if e["name"] in ("forward", "all-reduce"))
-    if len(forwards) >= 2:
-        return forwards[-2], forwards[-1] + (forwards[-1] - forwards[-2])
+    """The last two traced iterations on rank 0: from the start of the last but one to about the end.
+
+    An iteration starts with an all-reduce (communication only) or with the first of a run
+    of forward spans (MXNet's forward is split where the engine waits for weights).
+    """
+    events = sorted(compute, key=lambda e: e["ts"])
+    starts = [e["ts"] for i, e in enumerate(events) if e["name"] == "all-reduce"
+              or (e["name"] == "forward" and (i == 0 or events[i - 1]["name"] != "forward"))]
+    if len(starts) >= 2:
+        return starts[-2], starts[-1] + (starts[-1] - starts[-2])
     end = max(e["ts"] + e["dur"] for e in compute)
-    return (forwards[0] if forwards else end - 1.0), end
+    return (starts[0] if starts else end - 1.0), end
 
 
 def timeline_chart(system: str, label: str, compute_events: List[dict], traces: List[dict], path: str,
@@ -64,7 +70,8 @@ def timeline_chart(system: str, label: str, compute_events: List[dict], traces: 
             begin = begins.pop(key)
             if begin["cat"].startswith("lane"):
                 rows[f"rank {event['pid']} {begin['cat']}"].append((begin["ts"], event["ts"], begin["cat"]))
-    figure, axes = plt.subplots(figsize=(11, 0.5 * len(rows) + 1.5))
+    height = 0.5 * len(rows) + 1.8
+    figure, axes = plt.subplots(figsize=(11, height))
     labels = sorted(rows)
     for y, row in enumerate(labels):
         spans = [(a, b, kind) for a, b, kind in rows[row] if b > start and a < end]
@@ -77,9 +84,8 @@ def timeline_chart(system: str, label: str, compute_events: List[dict], traces: 
     axes.set_xlim(0, (end - start) / 1e3)
     axes.set_xlabel("milliseconds (about two iterations, rank 0's clock)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    axes.legend(handles, list(_COLORS), ncol=len(_COLORS), fontsize=7, loc="upper center",
-                bbox_to_anchor=(0.5, -0.25))
+    figure.legend(handles, list(_COLORS), ncol=len(_COLORS), fontsize=7, loc="lower center")
     axes.set_title(label)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below the axis label
     figure.savefig(path, dpi=110)
     plt.close(figure)

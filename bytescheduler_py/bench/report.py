@@ -4,8 +4,10 @@ An iteration is over when the slowest rank is done, so each timed block counts a
 maximum over ranks; the table shows the median over blocks and the spread (min-max).
 Floors: *compute* is the compute-only system's time; *sending* is the gradient bytes a
 ring all-reduce sends per rank, 2(n-1)/n x bytes, over the link rate measured with a
-large all-reduce. No schedule can beat max(compute, sending); the last column says how
-close each system came.
+large all-reduce (the first job's: gloo when the torch job ran). A parameter server with
+one server beside each of n workers sends as much per rank. No schedule can beat
+max(compute, sending); the last column says how close each system came. Each scheduled
+system's speedup is over its own framework's baseline (see ``BASELINES``).
 """
 
 from __future__ import annotations
@@ -14,30 +16,55 @@ import glob
 import json
 import os
 import statistics
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
-BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "horovod-scheduled": "horovod", "mxnet-scheduled": "mxnet"}
+BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
 LABELS = {
     "compute": "compute only (no communication)",
     "comm": "communication only (all-reduce, no compute)",
     "ddp": "DDP default",
     "ddp-hook": "DDP + scheduled hook",
     "scheduled": "ScheduledOptimizer",
-    "horovod": "Horovod DistributedOptimizer",
-    "horovod-scheduled": "Horovod + ScheduledOptimizer",
+    "hvd": "Horovod DistributedOptimizer",
+    "hvd-scheduled": "Horovod + ScheduledOptimizer",
     "mxnet": "MXNet dist_sync",
     "mxnet-scheduled": "MXNet + ScheduledKVStore",
 }
 
 
+def merge(jobs: List[Tuple[str, List[dict]]]) -> List[dict]:
+    """One result per rank from the per-rank results of several jobs, each ``(link kind, results)``.
+
+    A system's blocks from several jobs are concatenated in job order; RSS figures are
+    maxima; the link measured by each kind of job is kept (the first measurement) in
+    ``links``; compute events are gathered.
+    """
+    merged: Dict[int, dict] = {}
+    for kind, results in jobs:
+        for result in results:
+            rank = merged.setdefault(result["rank"], {
+                "rank": result["rank"], "times": {}, "rss_mib": {}, "peak_rss_mib": 0.0, "links": {},
+                "gradient_bytes": result["gradient_bytes"], "stats": {}, "compute_events": []})
+            for name, times in result["times"].items():
+                rank["times"].setdefault(name, []).extend(times)
+                rank["rss_mib"][name] = max(rank["rss_mib"].get(name, 0.0), result["rss_mib"][name])
+            rank["stats"].update(result["stats"])
+            rank["compute_events"] += result["compute_events"]
+            rank["peak_rss_mib"] = max(rank["peak_rss_mib"], result["peak_rss_mib"])
+            if result["link_bytes_per_s"] and kind not in rank["links"]:
+                rank["links"][kind] = result["link_bytes_per_s"]
+    return [merged[rank] for rank in sorted(merged)]
+
+
 def summarize(results: List[dict], batch_size: int) -> dict:
-    """Per system: median, min, max seconds per iteration (max over ranks per block), and more."""
+    """Per system: median, min, max seconds per iteration (max over ranks per block), and more.
+
+    ``results``: one per rank, as :func:`merge` makes them.
+    """
     world = len(results)
-    systems = list(results[0]["times"])
-    rounds = len(results[0]["times"][systems[0]])
     summary: Dict[str, dict] = {}
-    for name in systems:
-        blocks = [max(r["times"][name][i] for r in results) for i in range(rounds)]
+    for name in results[0]["times"]:
+        blocks = [max(block) for block in zip(*(r["times"][name] for r in results))]
         median = statistics.median(blocks)
         summary[name] = {
             "label": LABELS.get(name, name),
@@ -49,7 +76,8 @@ def summarize(results: List[dict], batch_size: int) -> dict:
             "rss_mib_per_rank": [round(r["rss_mib"][name], 1) for r in results],
             "scheduler": results[0]["stats"].get(name) or None,
         }
-    link = min(r["link_bytes_per_s"] for r in results)
+    links = {kind: min(r["links"][kind] for r in results) for kind in results[0]["links"]}
+    link = next(iter(links.values()))
     gradient_bytes = results[0]["gradient_bytes"]
     sending = 2 * (world - 1) / world * gradient_bytes / link
     compute = summary["compute"]["median_s"] if "compute" in summary else None
@@ -64,6 +92,7 @@ def summarize(results: List[dict], batch_size: int) -> dict:
         "systems": summary,
         "floors": {"compute_s": compute, "sending_s": sending, "floor_s": floor},
         "link_bytes_per_s": link,
+        "links_bytes_per_s": links,
         "gradient_bytes": gradient_bytes,
         "world_size": world,
         "peak_rss_mib_per_rank": [round(r["peak_rss_mib"], 1) for r in results],
@@ -86,21 +115,35 @@ def markdown(summary: dict, header: str) -> str:
             f"{'/'.join(f'{v:.0f}' for v in entry['rss_mib_per_rank'])} |"
         )
     compute = f"{floors['compute_s']:.3f} s" if floors["compute_s"] is not None else "not measured"
+    links = [f"{rate * 8 / 1e9:.2f} Gbit/s per direction by {kind}"
+             for kind, rate in summary["links_bytes_per_s"].items()]
+    others = f"; also {', '.join(links[1:])}" if len(links) > 1 else ""
     lines += [
         "",
         f"Floors: compute {compute}; sending {floors['sending_s']:.3f} s "
         f"({summary['gradient_bytes'] / 2**20:.1f} MiB of gradients, link measured at "
-        f"{summary['link_bytes_per_s'] * 8 / 1e9:.2f} Gbit/s per direction); "
-        f"floor = max = {floors['floor_s']:.3f} s.",
+        f"{links[0]}{others}); floor = max = {floors['floor_s']:.3f} s.",
     ]
+    if any(name in summary["systems"] for name in ("mxnet", "mxnet-scheduled")):
+        lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet block ran as a job of its "
+                  "own (scheduler, a server and a worker per rank), alternating by round."]
+    reasons: Dict[str, List[str]] = {}
+    for name, why in summary.get("left_out", {}).items():
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():
+        lines += ["", f"Left out {', '.join(names)}: {why}"]
     return "\n".join(lines)
 
 
-def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str, command: str) -> str:
-    """Write results.json, results.md and the charts into ``out_dir``; return the markdown."""
+def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str, command: str,
+           left_out: Optional[Dict[str, str]] = None) -> str:
+    """Write results.json, results.md and the charts into ``out_dir``; return the markdown.
+
+    ``results``: one per rank (see :func:`merge`); ``left_out``: systems not run, and why.
+    """
     summary = summarize(results, args.batch_size)
     summary.update({"command": command, "network": network, "model": args.model, "batch_size": args.batch_size,
-                    "iterations_per_block": args.iters, "rounds": args.rounds})
+                    "iterations_per_block": args.iters, "rounds": args.rounds, "left_out": dict(left_out or {})})
     header = (f"Model {args.model}, batch {args.batch_size} per rank, {summary['world_size']} ranks, {network}; "
               f"{args.rounds} alternating blocks of {args.iters} iterations per system.\n\nCommand: `{command}`")
     table = markdown(summary, header)

@@ -1,11 +1,26 @@
 """``bytescheduler bench``: measure every system on a (bandwidth-limited) 2-rank testbed.
 
-    bytescheduler bench --quick                       # loopback, small model, under 2 minutes
+    bytescheduler bench --quick                       # loopback, small model, torch only, under 2 minutes
     bytescheduler bench --bandwidth 1gbit --model vgg --rounds 10 --iters 3
-    bytescheduler bench --bandwidth 2gbit --out results/2gbit
+    bytescheduler bench --bandwidth 2gbit --systems hvd hvd-scheduled mxnet mxnet-scheduled --out results/2gbit
 
 Writes ``results.json``, ``results.md``, ``speed.png`` and one ``timeline-<system>.png``
 per system into ``--out`` and prints the markdown table.
+
+Systems run as jobs of 2 ranks (one per namespace of the testbed):
+
+- torch.distributed (gloo): compute, comm, ddp, ddp-hook, scheduled, alternating in one job;
+- Horovod (gloo): hvd, hvd-scheduled, alternating in a second job, started without horovodrun
+  (which cannot place ranks in namespaces): a rendezvous server in rank 0's namespace and
+  the ``HOROVOD_*`` variables horovodrun would set;
+- MXNet (ps-lite, ``dist_sync``, with ``--mxnet-python``): mxnet, mxnet-scheduled. One process
+  cannot hold two ``dist_sync`` stores, so each block is a job of its own (scheduler in rank
+  0's namespace, one server and one worker per namespace), and the jobs alternate: round 1
+  of each system, round 2 of each system, ...
+
+By default every system whose framework is available runs; the output says which were
+left out and why. A failing process (or the deadline) stops its job at once and shows
+the logs; the namespaces are always torn down (also on Ctrl-C and SIGTERM).
 """
 
 from __future__ import annotations
@@ -18,66 +33,67 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 from ..models import MODELS
-from .report import report
-from .testbed import Testbed, make_testbed
+from .report import merge, report
+from .testbed import NamespaceTestbed, Testbed, make_testbed
 
 TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "scheduled")
+HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled")
+MXNET_SYSTEMS = ("mxnet", "mxnet-scheduled")
+SYSTEMS = TORCH_SYSTEMS + HOROVOD_SYSTEMS + MXNET_SYSTEMS
+QUICK_SYSTEMS = ["compute", "ddp", "ddp-hook", "scheduled"]
+WORLD = 2
+ENV_MXNET_PYTHON = "BYTESCHEDULER_MXNET_PYTHON"
+# What each job's large all-reduce (or push+pull) measures the link with, in the report.
+LINKS = {"torch": "gloo all-reduce", "horovod": "Horovod all-reduce", "mxnet": "ps-lite push+pull"}
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class JobFailed(RuntimeError):
-    pass
+    def __init__(self, message: str, log_dir: str) -> None:
+        super().__init__(message)
+        self.log_dir = log_dir
 
 
-def run_torch_job(testbed: Testbed, args: argparse.Namespace, work_dir: str, world_size: int = 2) -> List[dict]:
-    """Run one benchmark job (all torch systems alternating) on ``world_size`` ranks; return per-rank results."""
-    port = _free_port()  # free on the host; namespaces start with every port free
-    trace_dir = os.path.join(work_dir, "traces")
-    os.makedirs(trace_dir, exist_ok=True)
-    processes = []
+@dataclass
+class _Process:
+    name: str
+    command: List[str]
+    env: Dict[str, str]
+    helper: bool = False  # serves the others until the job is over (then killed); exiting early is a failure
+
+
+def _run_processes(label: str, processes: List[_Process], log_dir: str, end: float,
+                   show_progress: bool = True) -> None:
+    """Run one job: start every process in a session of its own, follow the first one's output
+    (``PROGRESS`` lines as a bar), fail fast, and kill whatever is left, whatever happens."""
+    popens: List[subprocess.Popen] = []
     logs = []
     try:
-        for rank in range(world_size):
-            output = os.path.join(work_dir, f"rank{rank}.json")
-            command = [
-                sys.executable, "-m", "bytescheduler.bench.worker", "--rank", str(rank), "--world-size",
-                str(world_size), "--master", testbed.master_addr, "--port", str(port), "--model", args.model,
-                "--batch-size", str(args.batch_size), "--systems", *args.systems, "--warmup", str(args.warmup),
-                "--iters", str(args.iters), "--rounds", str(args.rounds), "--trace-dir", trace_dir,
-                "--output", output,
-            ]
-            if args.partition:
-                command += ["--partition", args.partition]
-            if args.credit:
-                command += ["--credit", args.credit]
-            log = open(os.path.join(work_dir, f"rank{rank}.log"), "w")
+        for index, process in enumerate(processes):
+            log = open(os.path.join(log_dir, f"{process.name}.log"), "w")
             logs.append(log)
-            env = dict(os.environ, **testbed.env(rank), BYTESCHEDULER_TIMELINE="")
-            processes.append(subprocess.Popen(
-                testbed.wrap(rank, command), env=env, start_new_session=True,
-                stdout=subprocess.PIPE if rank == 0 else log, stderr=log,
+            popens.append(subprocess.Popen(
+                process.command, env=process.env, start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE if index == 0 else log, stderr=log,
             ))
-        _follow(processes, args.deadline)
+        _follow(label, processes, popens, log_dir, end, show_progress)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
+        for popen in popens:
+            if popen.poll() is None:
+                os.killpg(popen.pid, signal.SIGKILL)
+                popen.wait(10)
         for log in logs:
             log.close()
-    results = []
-    for rank in range(world_size):
-        with open(os.path.join(work_dir, f"rank{rank}.json")) as handle:
-            results.append(json.load(handle))
-    return results
 
 
-def _follow(processes: List[subprocess.Popen], deadline: float) -> None:
-    """Show rank 0's progress; fail fast when a rank fails or the deadline passes."""
-    end = time.monotonic() + deadline
-    stream = processes[0].stdout.fileno()
+def _follow(label: str, processes: List[_Process], popens: List[subprocess.Popen], log_dir: str, end: float,
+            show_progress: bool) -> None:
+    stream = popens[0].stdout.fileno()
     os.set_blocking(stream, False)
     buffered = ""
     while True:
@@ -88,21 +104,26 @@ def _follow(processes: List[subprocess.Popen], deadline: float) -> None:
         *lines, buffered = buffered.split("\n")
         for line in lines:
             if line.startswith("PROGRESS "):
-                done, total = (int(x) for x in line.split()[1].split("/"))
-                bar = "#" * (30 * done // total)
-                print(f"\r  rounds [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
+                if show_progress:
+                    _progress(label, *(int(x) for x in line.split()[1].split("/")))
             elif line.strip():
                 print(line, file=sys.stderr)
-        codes = [p.poll() for p in processes]
-        if all(code == 0 for code in codes):
-            print(file=sys.stderr)
-            return
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        codes = [popen.poll() for popen in popens]
+        failed = [f"{process.name} exited with {code}" for process, code in zip(processes, codes)
+                  if code is not None and (code != 0 or process.helper)]
         if failed:
-            raise JobFailed(f"rank(s) {failed} failed (exit codes {codes}); see their logs")
+            raise JobFailed(f"{label} job failed: {', '.join(failed)}; see the logs", log_dir)
+        if all(code == 0 for process, code in zip(processes, codes) if not process.helper):
+            return
         if time.monotonic() > end:
-            raise JobFailed(f"the job did not finish within {deadline} s")
+            raise JobFailed(f"{label} job failed: not finished within the deadline", log_dir)
         time.sleep(0.2)
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    bar = "#" * (30 * done // total)
+    print(f"\r  {label:<8} rounds [{bar:<30}] {done}/{total}", end="\n" if done == total else "",
+          file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:
@@ -113,49 +134,251 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _worker_options(args: argparse.Namespace, systems: List[str], job_dir: str, rounds: int,
+                    trace: bool = True, link: bool = True) -> List[str]:
+    """The options every worker module takes (see :func:`bytescheduler.bench.common.add_arguments`)."""
+    options = [
+        "--model", args.model, "--batch-size", str(args.batch_size), "--systems", *systems,
+        "--warmup", str(args.warmup), "--iters", str(args.iters), "--rounds", str(rounds),
+        "--trace-dir", args.trace_dir, "--output", os.path.join(job_dir, "rank{rank}.json"),
+    ]
+    if args.partition:
+        options += ["--partition", args.partition]
+    if args.credit:
+        options += ["--credit", args.credit]
+    if not trace:
+        options.append("--no-trace")
+    if not link:
+        options.append("--no-link")
+    return options
+
+
+def _job_dir(work_dir: str, name: str) -> str:
+    path = os.path.join(work_dir, name)
+    os.makedirs(path)
+    return path
+
+
+def _read_results(job_dir: str) -> List[dict]:
+    results = []
+    for rank in range(WORLD):
+        with open(os.path.join(job_dir, f"rank{rank}.json")) as handle:
+            results.append(json.load(handle))
+    return results
+
+
+def run_torch_job(testbed: Testbed, args: argparse.Namespace, systems: List[str], work_dir: str,
+                  end: float) -> List[List[dict]]:
+    """The torch.distributed systems, alternating in one job; its per-rank results."""
+    job_dir = _job_dir(work_dir, "torch")
+    port = _free_port()  # free on the host; namespaces start with every port free
+    processes = []
+    for rank in range(WORLD):
+        command = [sys.executable, "-m", "bytescheduler.bench.worker", "--backend", "gloo", "--rank", str(rank),
+                   "--world-size", str(WORLD), "--master", testbed.master_addr, "--port", str(port),
+                   *_worker_options(args, systems, job_dir, args.rounds)]
+        env = dict(os.environ, **testbed.env(rank), BYTESCHEDULER_TIMELINE="")
+        processes.append(_Process(f"rank{rank}", testbed.wrap(rank, command), env))
+    _run_processes("torch", processes, job_dir, end)
+    return [_read_results(job_dir)]
+
+
+def run_horovod_job(testbed: Testbed, args: argparse.Namespace, systems: List[str], work_dir: str,
+                    end: float) -> List[List[dict]]:
+    """The Horovod systems, alternating in one job started as horovodrun --gloo would; its per-rank results."""
+    from .rendezvous import host_plan
+
+    job_dir = _job_dir(work_dir, "horovod")
+    port_file = os.path.join(job_dir, "rendezvous.port")
+    hosts = ",".join(f"{name}:{count}" for name, count in Counter(testbed.hostname(r) for r in range(WORLD)).items())
+    processes = []
+    for slot in host_plan(hosts, WORLD):
+        command = [sys.executable, "-m", "bytescheduler.bench.worker", "--backend", "horovod",
+                   "--rendezvous-port-file", port_file, *_worker_options(args, systems, job_dir, args.rounds)]
+        if isinstance(testbed, NamespaceTestbed):  # see worker._set_hostname
+            command += ["--hostname", testbed.address(slot.rank)]
+        env = dict(os.environ, **testbed.env(slot.rank), BYTESCHEDULER_TIMELINE="",
+                   HOROVOD_GLOO_RENDEZVOUS_ADDR=testbed.master_addr, HOROVOD_CONTROLLER="gloo",
+                   HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_HOSTNAME=slot.hostname, HOROVOD_RANK=str(slot.rank),
+                   HOROVOD_SIZE=str(slot.size), HOROVOD_LOCAL_RANK=str(slot.local_rank),
+                   HOROVOD_LOCAL_SIZE=str(slot.local_size), HOROVOD_CROSS_RANK=str(slot.cross_rank),
+                   HOROVOD_CROSS_SIZE=str(slot.cross_size))
+        processes.append(_Process(f"rank{slot.rank}", testbed.wrap(slot.rank, command), env))
+    server = [sys.executable, "-m", "bytescheduler.bench.rendezvous", "--hosts", hosts, "--size", str(WORLD),
+              "--port-file", port_file]
+    processes.append(_Process("rendezvous", testbed.wrap(0, server), dict(os.environ), helper=True))
+    _run_processes("horovod", processes, job_dir, end)
+    return [_read_results(job_dir)]
+
+
+def run_mxnet_jobs(testbed: Testbed, args: argparse.Namespace, systems: List[str], work_dir: str,
+                   end: float) -> List[List[dict]]:
+    """Every block of every MXNet system as a job of its own, alternating by round; per job, per-rank results."""
+    job_dir = _job_dir(work_dir, "mxnet-link")  # alone: its buffers would stay in a system's memory pool
+    options = _worker_options(args, systems[:1], job_dir, 0, trace=False) + ["--link-only"]
+    jobs = [_run_mxnet_job(testbed, args, options, job_dir, end)]
+    total = args.rounds * len(systems)
+    _progress("mxnet", 0, total)
+    for round_index in range(args.rounds):
+        for system in systems:
+            job_dir = _job_dir(work_dir, f"mxnet-{round_index}-{system}")
+            options = _worker_options(args, [system], job_dir, 1, trace=round_index == args.rounds - 1, link=False)
+            jobs.append(_run_mxnet_job(testbed, args, options, job_dir, end))
+            _progress("mxnet", len(jobs) - 1, total)
+    return jobs
+
+
+def _run_mxnet_job(testbed: Testbed, args: argparse.Namespace, options: List[str], job_dir: str,
+                   end: float) -> List[dict]:
+    """A ps-lite job: the scheduler in rank 0's namespace, a server and a worker in each rank's."""
+    base = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
+    base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", BYTESCHEDULER_TIMELINE="",
+                DMLC_PS_ROOT_URI=testbed.master_addr, DMLC_PS_ROOT_PORT=str(_free_port()),
+                DMLC_NUM_SERVER=str(WORLD), DMLC_NUM_WORKER=str(WORLD))
+
+    def node(role: str, rank: int, command: List[str]) -> _Process:
+        env = dict(base, **testbed.env(rank), DMLC_ROLE=role, DMLC_NODE_HOST=testbed.address(rank))
+        return _Process(f"{role}{rank}", testbed.wrap(rank, command), env)
+
+    worker = [args.mxnet_python, "-m", "bytescheduler.bench.mxnet_worker", *options]
+    role = [args.mxnet_python, "-c", "import mxnet"]  # importing MXNet runs a scheduler's or server's role
+    processes = [node("worker", rank, worker) for rank in range(WORLD)]
+    processes += [node("scheduler", 0, role)] + [node("server", rank, role) for rank in range(WORLD)]
+    _run_processes("mxnet", processes, job_dir, end, show_progress=False)
+    return _read_results(job_dir)
+
+
+def _problem(command: List[str], env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """None when ``command`` succeeds, else the last line of its error output."""
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit code {done.returncode}"
+
+
+def horovod_problem() -> Optional[str]:
+    problem = _problem([sys.executable, "-c", "import horovod.torch"])
+    return None if problem is None else f"Horovod does not import ({problem}); make horovod installs it"
+
+
+def default_mxnet_python() -> Optional[str]:
+    """$BYTESCHEDULER_MXNET_PYTHON, else this checkout's .venv-mxnet/bin/python when it exists."""
+    if os.environ.get(ENV_MXNET_PYTHON):
+        return os.environ[ENV_MXNET_PYTHON]
+    local = os.path.join(_REPO, ".venv-mxnet", "bin", "python")
+    return local if os.path.exists(local) else None
+
+
+def mxnet_problem(python: Optional[str], model: str) -> Optional[str]:
+    if not python:
+        return (f"no MXNet interpreter: pass --mxnet-python, set {ENV_MXNET_PYTHON}, "
+                "or build .venv-mxnet (make mxnet)")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
+    check = ("import sys, bytescheduler.bench.mxnet_worker; from bytescheduler.bench.mxnet_models import MODELS; "
+             f"sys.exit(0 if {model!r} in MODELS else 'model {model} has no MXNet version; use one of ' "
+             "+ ', '.join(MODELS))")
+    problem = _problem([python, "-c", check], env)
+    return None if problem is None else f"{python}: {problem}"
+
+
+def choose_systems(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str]]:
+    """The systems to run and those left out (system -> why); exits when asked-for ones cannot run."""
+    if args.quick:
+        return list(QUICK_SYSTEMS), {}
+    explicit = args.systems is not None
+    wanted = list(dict.fromkeys(args.systems)) if explicit else list(SYSTEMS)
+    problems = {}
+    if any(name in HOROVOD_SYSTEMS for name in wanted):
+        problems[HOROVOD_SYSTEMS] = horovod_problem()
+    if any(name in MXNET_SYSTEMS for name in wanted):
+        problems[MXNET_SYSTEMS] = mxnet_problem(args.mxnet_python, args.model)
+    left_out = {}
+    for group, problem in problems.items():
+        names = [name for name in wanted if name in group]
+        if problem is None:
+            continue
+        if explicit:
+            raise SystemExit(f"bytescheduler bench: cannot run {' '.join(names)}: {problem}")
+        left_out.update({name: problem for name in names})
+    return [name for name in wanted if name not in left_out], left_out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="bytescheduler bench", description=__doc__.splitlines()[0])
     parser.add_argument("--bandwidth", default="none", help="link rate per direction, e.g. 1gbit, 2gbit, or none")
     parser.add_argument("--model", default="vgg", choices=MODELS)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--systems", nargs="+", default=list(TORCH_SYSTEMS), choices=TORCH_SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
+                        help="default: every system whose framework is available")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per system")
     parser.add_argument("--iters", type=int, default=3, help="iterations per timed block")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (blocks per system)")
     parser.add_argument("--partition", default=None, help="partition size (default: the library's)")
     parser.add_argument("--credit", default=None, help="credit size (default: the library's)")
-    parser.add_argument("--deadline", type=float, default=3600, help="seconds before the job is killed")
+    parser.add_argument("--mxnet-python", default=default_mxnet_python(),
+                        help=f"interpreter with MXNet and bytescheduler (default: ${ENV_MXNET_PYTHON}, "
+                        "else this checkout's .venv-mxnet/bin/python)")
+    parser.add_argument("--deadline", type=float, default=3600,
+                        help="seconds each framework's job(s) may take before they are killed")
     parser.add_argument("--out", default="bench-results", help="folder for results, tables and charts")
     parser.add_argument("--quick", action="store_true",
-                        help="loopback, small model, few rounds: the README's demo (under 2 minutes)")
+                        help="loopback, small model, few rounds, torch systems only: the README's demo "
+                        "(under 2 minutes)")
     args = parser.parse_args(argv)
     if args.quick:
         args.bandwidth, args.model, args.batch_size = "none", "vgg-small", 16
         args.warmup, args.iters, args.rounds = 2, 3, 5
-        args.systems = ["compute", "ddp", "ddp-hook", "scheduled"]
-    os.makedirs(args.out, exist_ok=True)
     started = time.monotonic()
-    # SIGTERM unwinds like Ctrl-C, so the testbed's namespaces are always torn down.
+    systems, left_out = choose_systems(args)
+    args.systems = systems
+    os.makedirs(args.out, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so every job's processes are killed and the namespaces torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with make_testbed(2, args.bandwidth) as testbed:
-        print(f"bytescheduler bench: model {args.model}, batch {args.batch_size} per rank, 2 ranks, "
-              f"systems {' '.join(args.systems)}", file=sys.stderr)
-        print(f"  network: {testbed.description}", file=sys.stderr)
-        with tempfile.TemporaryDirectory(prefix="bytescheduler-bench-") as work_dir:
-            try:
-                results = run_torch_job(testbed, args, work_dir)
-            except JobFailed as error:
-                for name in sorted(os.listdir(work_dir)):
-                    if name.endswith(".log"):
-                        with open(os.path.join(work_dir, name)) as handle:
-                            print(f"--- {name} (last lines)\n" + "".join(handle.readlines()[-20:]), file=sys.stderr)
-                print(f"bench: {error}", file=sys.stderr)
-                return 1
-            table = report(results, args, testbed.description, os.path.join(work_dir, "traces"), args.out,
-                           command=" ".join(["bytescheduler", "bench", *(argv if argv is not None else sys.argv[1:])]))
+    runs = [(job, run, [name for name in systems if name in group]) for job, run, group in (
+        ("torch", run_torch_job, TORCH_SYSTEMS), ("horovod", run_horovod_job, HOROVOD_SYSTEMS),
+        ("mxnet", run_mxnet_jobs, MXNET_SYSTEMS))]
+    try:
+        with make_testbed(WORLD, args.bandwidth) as testbed:
+            print(f"bytescheduler bench: model {args.model}, batch {args.batch_size} per rank, {WORLD} ranks, "
+                  f"systems {' '.join(systems)}", file=sys.stderr)
+            for name, why in left_out.items():
+                print(f"  left out {name}: {why}", file=sys.stderr)
+            print(f"  network: {testbed.description}", file=sys.stderr)
+            with tempfile.TemporaryDirectory(prefix="bytescheduler-bench-") as work_dir:
+                args.trace_dir = os.path.join(work_dir, "traces")
+                os.makedirs(args.trace_dir)
+                jobs: List[Tuple[str, List[dict]]] = []
+                try:
+                    for job, run, names in runs:
+                        if names:
+                            deadline = time.monotonic() + args.deadline
+                            jobs += [(LINKS[job], results) for results in run(testbed, args, names, work_dir, deadline)]
+                except JobFailed as error:
+                    _show_logs(error.log_dir)
+                    print(f"bench: {error}", file=sys.stderr)
+                    return 1
+                command = " ".join(["bytescheduler", "bench", *(argv if argv is not None else sys.argv[1:])])
+                table = report(merge(jobs), args, testbed.description, args.trace_dir, args.out, command=command,
+                               left_out=left_out)
+    except KeyboardInterrupt:
+        print("\nbench: interrupted; every process stopped, the testbed torn down", file=sys.stderr)
+        return 130
     print(table)
     print(f"results in {os.path.abspath(args.out)} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
     return 0
+
+
+def _show_logs(log_dir: str) -> None:
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".log"):
+            with open(os.path.join(log_dir, name)) as handle:
+                lines = handle.readlines()[-20:]
+            if lines:
+                print(f"--- {name} (last lines)\n" + "".join(lines), file=sys.stderr)
 
 
 if __name__ == "__main__":

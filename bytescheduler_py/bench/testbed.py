@@ -31,7 +31,15 @@ class Testbed:
         return command
 
     def env(self, rank: int) -> Dict[str, str]:
-        return {}
+        return {"HOROVOD_GLOO_IFACE": "lo"}
+
+    def address(self, rank: int) -> str:
+        """The address rank ``rank`` binds (e.g. a parameter server's ``DMLC_NODE_HOST``)."""
+        return "127.0.0.1"
+
+    def hostname(self, rank: int) -> str:
+        """The machine rank ``rank`` is on, as Horovod names it (ranks on one machine share it)."""
+        return "localhost"
 
     def close(self) -> None:
         pass
@@ -81,7 +89,7 @@ class NamespaceTestbed(Testbed):
             self._ip("link", "add", "v0", "netns", name, "type", "veth", "peer", "name", port, "netns", self.hub)
             self._ip("-n", self.hub, "link", "set", port, "master", "br0")
             self._ip("-n", self.hub, "link", "set", port, "up")
-            self._ip("-n", name, "addr", "add", f"10.99.0.{rank + 1}/24", "dev", "v0")
+            self._ip("-n", name, "addr", "add", f"{self.address(rank)}/24", "dev", "v0")
             self._ip("-n", name, "link", "set", "v0", "up")
             self._ip("-n", name, "link", "set", "lo", "up")
             self._tc("-n", name, "qdisc", "replace", "dev", "v0", *shape)  # uplink
@@ -91,8 +99,15 @@ class NamespaceTestbed(Testbed):
         return ["ip", "netns", "exec", self.names[rank], *command]
 
     def env(self, rank: int) -> Dict[str, str]:
-        # gloo binds this interface (else it picks 127.0.0.1 and cannot reach the others).
-        return {"GLOO_SOCKET_IFNAME": "v0", "HOROVOD_GLOO_IFACE": "v0"}
+        # gloo (torch's and Horovod's) and ps-lite bind this interface (else they may pick
+        # 127.0.0.1 and cannot reach the others).
+        return {"GLOO_SOCKET_IFNAME": "v0", "HOROVOD_GLOO_IFACE": "v0", "DMLC_INTERFACE": "v0"}
+
+    def address(self, rank: int) -> str:
+        return f"10.99.0.{rank + 1}"
+
+    def hostname(self, rank: int) -> str:
+        return self.names[rank]  # one machine per namespace
 
     def close(self) -> None:
         for name in reversed(self._made):

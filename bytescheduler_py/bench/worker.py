@@ -1,53 +1,39 @@
-"""One rank of a benchmark job: every system trains its own copy of the model, in turns.
+"""One rank of a PyTorch benchmark job: every system trains its own copy of the model, in turns.
 
-Run by :mod:`bytescheduler.bench.runner`, never by hand. Each round runs every system for
+Run by :mod:`bytescheduler.bench.runner`, never by hand. ``--backend gloo`` (torch.distributed:
+compute, comm, ddp, ddp-hook, scheduled) or ``--backend horovod`` (hvd: ``hvd.DistributedOptimizer``;
+hvd-scheduled: bytescheduler's ``ScheduledOptimizer`` over it). Each round runs every system for
 a timed block of iterations, one after another, so slow drift of the machine affects all
 systems alike; a barrier starts each block and the system's flush (waiting for pending
-communication) ends it inside the timed block.
+communication) ends it inside the timed block (see :func:`bytescheduler.bench.common.run_blocks`).
+
+Horovod ranks are started as horovodrun does (``HOROVOD_*`` variables) but without it, so
+that they can run in the testbed's namespaces; ``--rendezvous-port-file`` names the file in
+which :mod:`bytescheduler.bench.rendezvous` writes the port of Horovod's rendezvous server.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import time
 from datetime import timedelta
-from typing import Dict, List
+from typing import Callable, Dict
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models import build
+from . import common
+from .common import LINK_MEGABYTES, Tracer, add_arguments, link_rate, run_blocks, write_result
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-class _Tracer:
-    """Compute spans (forward, backward, step) of the traced iteration, as Chrome trace events."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.events: List[dict] = []
-        self.active = False
-        self._offset = time.time() - time.perf_counter()
-
-    def span(self, system: str, name: str, start: float, end: float) -> None:
-        if self.active:
-            self.events.append({"name": name, "cat": f"compute:{system}", "ph": "X", "pid": self.rank, "tid": 1,
-                                "ts": round((start + self._offset) * 1e6, 3), "dur": round((end - start) * 1e6, 3)})
-
-
-class System:
-    """A way to train: ``iterate`` runs one training iteration, ``flush`` waits for its communication."""
+class System(common.System):
+    """A torch model and optimizer; the forward, backward and step of an iteration are traced."""
 
     def __init__(self, name: str, model: torch.nn.Module, optimizer, make_batch, batch_size: int, rank: int,
-                 tracer: _Tracer) -> None:
+                 tracer: Tracer) -> None:
         self.name = name
         self.model = model
         self.optimizer = optimizer
@@ -66,15 +52,6 @@ class System:
         self.tracer.span(self.name, "forward", t0, t1)
         self.tracer.span(self.name, "backward", t1, t2)
         self.tracer.span(self.name, "step", t2, t3)
-
-    def flush(self) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
 
 
 class CommunicationOnly(System):
@@ -116,16 +93,7 @@ class HookedDDP(System):
         self.state.close()
 
 
-def _make_systems(args, rank: int, tracer: _Tracer) -> Dict[str, System]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import bytescheduler.pytorch as bsp
-
-    def fresh():
-        torch.manual_seed(0)
-        model, make_batch = build(args.model)
-        return model, make_batch
-
+def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
@@ -133,108 +101,129 @@ def _make_systems(args, rank: int, tracer: _Tracer) -> Dict[str, System]:
     systems: Dict[str, System] = {}
     common = dict(batch_size=args.batch_size, rank=rank, tracer=tracer)
     for name in args.systems:
-        model, make_batch = fresh()
+        torch.manual_seed(0)
+        model, make_batch = build(args.model)
         timeline = os.path.join(args.trace_dir, f"{name}.json") if args.trace_dir else None
         if name == "compute":
             systems[name] = System(name, model, sgd(model), make_batch, **common)
         elif name == "comm":
             systems[name] = CommunicationOnly(name, model, sgd(model), make_batch, **common)
-        elif name == "ddp":
+        elif name in ("ddp", "ddp-hook"):
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
             ddp = DDP(model)
-            systems[name] = System(name, ddp, sgd(ddp), make_batch, **common)
-        elif name == "ddp-hook":
-            ddp = DDP(model)
+            if name == "ddp":
+                systems[name] = System(name, ddp, sgd(ddp), make_batch, **common)
+                continue
+            import bytescheduler.pytorch as bsp
+
             state = bsp.ScheduledHookState(timeline=timeline, **options)
             ddp.register_comm_hook(state, bsp.scheduled_allreduce_hook)
             systems[name] = HookedDDP(name, ddp, sgd(ddp), make_batch, state=state, **common)
         elif name == "scheduled":
+            import bytescheduler.pytorch as bsp
+
             optimizer = bsp.ScheduledOptimizer(model, sgd(model), timeline=timeline, **options)
+            systems[name] = Scheduled(name, model, optimizer, make_batch, **common)
+        elif name in ("hvd", "hvd-scheduled"):
+            import horovod.torch as hvd
+
+            optimizer = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+            if name == "hvd":
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                systems[name] = System(name, model, optimizer, make_batch, **common)
+                continue
+            import bytescheduler.pytorch.horovod as bsc
+
+            num_steps = args.warmup + args.rounds * args.iters  # the original API's argument (ignored)
+            optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps, timeline=timeline, **options)
             systems[name] = Scheduled(name, model, optimizer, make_batch, **common)
         else:
             raise ValueError(f"unknown system {name!r}")
     return systems
 
 
-def _link_rate(megabytes: int = 32, repeats: int = 3) -> float:
-    """Measured bytes per second each rank sends in a ring all-reduce of a large tensor."""
-    world = dist.get_world_size()
-    tensor = torch.zeros(megabytes * 2**20 // 4)
-    dist.all_reduce(tensor)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        times.append(time.perf_counter() - start)
-    return 2 * (world - 1) / world * tensor.numel() * 4 / min(times)
+def _start_gloo(args) -> Callable[[], None]:
+    """Join the torch.distributed job; return what ends it."""
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
+                            world_size=args.world_size, timeout=timedelta(seconds=600))
+    return dist.destroy_process_group
+
+
+def _set_hostname(name: str) -> None:
+    """Give this process a hostname of its own, in a private UTS namespace (needs root).
+
+    Horovod 0.28.1 creates the gloo device of each process set (the global one included)
+    from the machine's hostname, not from ``HOROVOD_GLOO_IFACE``; in a testbed namespace
+    that name resolves to 127.0.0.1, which the other ranks cannot reach. Named by the
+    rank's own address, the hostname resolves to it without any hosts file.
+    """
+    import ctypes
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x04000000) != 0:  # CLONE_NEWUTS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
+    socket.sethostname(name)
+
+
+def _start_horovod(args) -> Callable[[], None]:
+    """Wait for the rendezvous server's port, then ``hvd.init()``; return what ends Horovod."""
+    import horovod.torch as hvd
+
+    if args.hostname:
+        _set_hostname(args.hostname)
+    end = time.monotonic() + 120
+    while not os.path.exists(args.rendezvous_port_file):
+        if time.monotonic() > end:
+            raise TimeoutError(f"no rendezvous port in {args.rendezvous_port_file} after 120 s")
+        time.sleep(0.05)
+    with open(args.rendezvous_port_file) as handle:
+        os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"] = handle.read().strip()
+    hvd.init()
+    return hvd.shutdown
+
+
+def _link_rate(allreduce: Callable[[torch.Tensor], None], barrier: Callable[[], None], world: int) -> float:
+    tensor = torch.zeros(LINK_MEGABYTES * 2**20 // 4)
+    return link_rate(lambda: allreduce(tensor), barrier, world)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--master", required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--systems", nargs="+", required=True)
-    parser.add_argument("--warmup", type=int, required=True)
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--rounds", type=int, required=True)
-    parser.add_argument("--partition", default=None)
-    parser.add_argument("--credit", default=None)
-    parser.add_argument("--trace-dir", default=None)
-    parser.add_argument("--output", required=True)
+    parser.add_argument("--backend", choices=("gloo", "horovod"), default="gloo")
+    parser.add_argument("--rank", type=int, help="gloo: this rank")
+    parser.add_argument("--world-size", type=int, help="gloo: number of ranks")
+    parser.add_argument("--master", help="gloo: rank 0's address")
+    parser.add_argument("--port", type=int, help="gloo: rank 0's port")
+    parser.add_argument("--rendezvous-port-file", help="horovod: where the rendezvous server's port appears")
+    parser.add_argument("--hostname", help="horovod: run under this hostname (this rank's address in a namespace)")
+    add_arguments(parser)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
-    rank = args.rank
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank,
-                            world_size=args.world_size, timeout=timedelta(seconds=600))
-    tracer = _Tracer(rank)
+    if args.backend == "horovod":
+        import horovod.torch as hvd
+
+        shutdown = _start_horovod(args)
+        rank, world, barrier = hvd.rank(), hvd.size(), hvd.barrier
+
+        def allreduce(tensor: torch.Tensor) -> None:
+            hvd.allreduce_(tensor, op=hvd.Sum, name="bytescheduler.bench.link")
+    else:
+        shutdown = _start_gloo(args)
+        rank, world, barrier = args.rank, args.world_size, dist.barrier
+        allreduce = dist.all_reduce
+    tracer = Tracer(rank)
     systems = _make_systems(args, rank, tracer)
-    link = _link_rate()
+    link = 0.0 if args.no_link else _link_rate(allreduce, barrier, world)
     gradient_bytes = sum(p.numel() * p.element_size() for p in next(iter(systems.values())).model.parameters())
-    for system in systems.values():
-        for _ in range(args.warmup):
-            system.iterate()
-        system.flush()
-    times: Dict[str, List[float]] = {name: [] for name in systems}
-    rss: Dict[str, float] = {name: 0.0 for name in systems}
-    _progress(rank, 0, args.rounds)
-    for round_index in range(args.rounds):
-        for name, system in systems.items():
-            tracer.active = round_index == args.rounds - 1
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                system.iterate()
-            system.flush()
-            times[name].append((time.perf_counter() - start) / args.iters)
-            tracer.active = False
-            rss[name] = max(rss[name], _rss_mib())
-        _progress(rank, round_index + 1, args.rounds)
-    result = {
-        "rank": rank,
-        "times": times,
-        "rss_mib": rss,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "link_bytes_per_s": link,
-        "gradient_bytes": gradient_bytes,
-        "stats": {name: system.stats() for name, system in systems.items()},
-        "compute_events": tracer.events,
-    }
+    times, rss = run_blocks(systems, args, barrier, tracer, rank)
+    write_result(args, rank, systems, times, rss, link, gradient_bytes, tracer)
     for system in systems.values():
         system.close()
-    with open(args.output, "w") as handle:
-        json.dump(result, handle)
-    dist.destroy_process_group()
+    shutdown()
     return 0
-
-
-def _progress(rank: int, done: int, total: int) -> None:
-    if rank == 0:
-        print(f"PROGRESS {done}/{total}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""What every benchmark worker shares, whatever its framework; imports none (MXNet's runs without torch).
+
+A worker builds its systems (objects with ``iterate``, ``flush``, ``stats`` and ``close``),
+then :func:`run_blocks` warms each up and times alternating blocks, and
+:func:`write_result` writes the per-rank JSON the runner merges and the report reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from typing import Callable, Dict, List, Tuple
+
+# A large all-reduce (or push+pull) measures the link: bytes each rank sends per second.
+LINK_MEGABYTES = 32
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class Tracer:
+    """Compute spans (forward, backward, step) of the traced iteration, as Chrome trace events."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.events: List[dict] = []
+        self.active = False
+        self._offset = time.time() - time.perf_counter()
+
+    def span(self, system: str, name: str, start: float, end: float) -> None:
+        """Record a span if the current iteration is traced (``active``)."""
+        if self.active:
+            self.record(system, name, start, end)
+
+    def record(self, system: str, name: str, start: float, end: float) -> None:
+        """Record a span (``time.perf_counter()`` seconds), traced or not (for spans learned later)."""
+        self.record_wall(system, name, (start + self._offset) * 1e6, (end + self._offset) * 1e6)
+
+    def record_wall(self, system: str, name: str, start_us: float, end_us: float) -> None:
+        """Record a span given in wall-clock microseconds (as Chrome traces and MXNet's profiler count)."""
+        self.events.append({"name": name, "cat": f"compute:{system}", "ph": "X", "pid": self.rank, "tid": 1,
+                            "ts": round(start_us, 3), "dur": round(end_us - start_us, 3)})
+
+
+class System:
+    """A way to train, as :func:`run_blocks` drives it: ``iterate`` runs one training iteration,
+    ``flush`` waits for its pending communication, ``stats`` are the scheduler's counters."""
+
+    name: str
+
+    def iterate(self) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every worker takes (the runner passes them through)."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--systems", nargs="+", required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--partition", default=None)
+    parser.add_argument("--credit", default=None)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--no-trace", action="store_true", help="do not trace the last round's compute")
+    parser.add_argument("--no-link", action="store_true", help="do not measure the link")
+    parser.add_argument("--output", required=True, help="result file; {rank} is replaced by the rank")
+
+
+def link_rate(allreduce: Callable[[], None], barrier: Callable[[], None], world: int, repeats: int = 3) -> float:
+    """Bytes per second each rank sends in ``allreduce()`` of :data:`LINK_MEGABYTES` (best of ``repeats``)."""
+    allreduce()
+    times = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        allreduce()
+        times.append(time.perf_counter() - start)
+    return 2 * (world - 1) / world * LINK_MEGABYTES * 2**20 / min(times)
+
+
+def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Callable[[], None], tracer: Tracer,
+               rank: int) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
+    """Warm every system up, then ``args.rounds`` rounds of one timed block per system, in turns.
+
+    A barrier starts each block; the system's flush (waiting for its pending communication)
+    ends it inside the timed block. The last round is traced unless ``args.no_trace``.
+    Returns seconds per iteration per block, and peak RSS (MiB) per system.
+    """
+    for system in systems.values():
+        for _ in range(args.warmup):
+            system.iterate()
+        system.flush()
+    times: Dict[str, List[float]] = {name: [] for name in systems}
+    rss: Dict[str, float] = {name: 0.0 for name in systems}
+    progress(rank, 0, args.rounds)
+    for round_index in range(args.rounds):
+        for name, system in systems.items():
+            tracer.active = round_index == args.rounds - 1 and not args.no_trace
+            barrier()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                system.iterate()
+            system.flush()
+            times[name].append((time.perf_counter() - start) / args.iters)
+            tracer.active = False
+            rss[name] = max(rss[name], rss_mib())
+        progress(rank, round_index + 1, args.rounds)
+    return times, rss
+
+
+def write_result(args: argparse.Namespace, rank: int, systems: Dict[str, System], times: Dict[str, List[float]],
+                 rss: Dict[str, float], link: float, gradient_bytes: int, tracer: Tracer) -> None:
+    """The per-rank JSON every job writes (``link`` is 0.0 when not measured)."""
+    result = {
+        "rank": rank,
+        "times": times,
+        "rss_mib": rss,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "link_bytes_per_s": link,
+        "gradient_bytes": gradient_bytes,
+        "stats": {name: system.stats() for name, system in systems.items()},
+        "compute_events": tracer.events,
+    }
+    with open(args.output.replace("{rank}", str(rank)), "w") as handle:
+        json.dump(result, handle)
+
+
+def progress(rank: int, done: int, total: int) -> None:
+    if rank == 0:
+        print(f"PROGRESS {done}/{total}", flush=True)
