@@ -52,6 +52,7 @@ class System:
     ``flush`` waits for its pending communication, ``stats`` are the scheduler's counters."""
 
     name: str
+    tuned = False  # auto-tuned during warm-up (``--auto-tune``)
 
     def iterate(self) -> None:
         raise NotImplementedError
@@ -76,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--partition", default=None)
     parser.add_argument("--credit", default=None)
+    parser.add_argument("--auto-tune", type=int, default=0, metavar="STEPS",
+                        help="tune the scheduled systems' partition and credit during STEPS extra warm-up steps")
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--no-trace", action="store_true", help="do not trace the last round's compute")
     parser.add_argument("--no-link", action="store_true", help="do not measure the link")
@@ -103,7 +106,8 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     Returns seconds per iteration per block, and peak RSS (MiB) per system.
     """
     for system in systems.values():
-        for _ in range(args.warmup):
+        # Tuning happens in warm-up, the same number of steps on every rank.
+        for _ in range(args.warmup + (args.auto_tune if system.tuned else 0)):
             system.iterate()
         system.flush()
     times: Dict[str, List[float]] = {name: [] for name in systems}

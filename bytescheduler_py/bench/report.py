@@ -124,6 +124,11 @@ def markdown(summary: dict, header: str) -> str:
         f"({summary['gradient_bytes'] / 2**20:.1f} MiB of gradients, link measured at "
         f"{links[0]}{others}); floor = max = {floors['floor_s']:.3f} s.",
     ]
+    settings = [f"{entry['label']} {stats['partition_bytes'] / 2**20:g}/{stats['credit_bytes'] / 2**20:g} MiB"
+                for entry in summary["systems"].values()
+                for stats in [entry.get("scheduler") or {}] if "partition_bytes" in stats]
+    if settings:
+        lines += ["", f"Partition/credit in use at the end (rank 0): {'; '.join(settings)}."]
     if any(name in summary["systems"] for name in ("mxnet", "mxnet-scheduled")):
         lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet block ran as a job of its "
                   "own (scheduler, a server and a worker per rank), alternating by round."]

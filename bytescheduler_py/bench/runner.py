@@ -146,6 +146,8 @@ def _worker_options(args: argparse.Namespace, systems: List[str], job_dir: str, 
         options += ["--partition", args.partition]
     if args.credit:
         options += ["--credit", args.credit]
+    if args.auto_tune:
+        options += ["--auto-tune", str(args.auto_tune)]
     if not trace:
         options.append("--no-trace")
     if not link:
@@ -319,6 +321,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (blocks per system)")
     parser.add_argument("--partition", default=None, help="partition size (default: the library's)")
     parser.add_argument("--credit", default=None, help="credit size (default: the library's)")
+    parser.add_argument("--auto-tune", type=int, default=0, metavar="STEPS",
+                        help="auto-tune partition and credit of the scheduled torch systems during STEPS "
+                        "extra warm-up steps (the tables then show the tuned setting)")
     parser.add_argument("--mxnet-python", default=default_mxnet_python(),
                         help=f"interpreter with MXNet and bytescheduler (default: ${ENV_MXNET_PYTHON}, "
                         "else this checkout's .venv-mxnet/bin/python)")

@@ -71,6 +71,10 @@ class CommunicationOnly(System):
 
 
 class Scheduled(System):
+    @property
+    def tuned(self) -> bool:
+        return self.optimizer._bytescheduler.scheduler.config.auto_tune
+
     def flush(self) -> None:
         self.optimizer.synchronize()
 
@@ -85,6 +89,7 @@ class HookedDDP(System):
     def __init__(self, *args, state=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.state = state
+        self.tuned = state.scheduler.config.auto_tune
 
     def stats(self) -> dict:
         return self.state.scheduler.stats
@@ -97,7 +102,7 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    options = dict(partition_bytes=args.partition, credit_bytes=args.credit)
+    options = dict(partition_bytes=args.partition, credit_bytes=args.credit, auto_tune=bool(args.auto_tune))
     systems: Dict[str, System] = {}
     common = dict(batch_size=args.batch_size, rank=rank, tracer=tracer)
     for name in args.systems:
