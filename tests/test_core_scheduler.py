@@ -299,6 +299,26 @@ def test_fast_lane_has_its_own_window_so_urgent_small_ops_pass_a_full_credit(cle
     results(small + [big])
 
 
+def test_urgent_large_piece_takes_the_idle_fast_lane_instead_of_queueing_behind_main(cleanup):
+    backend = cleanup.backend("manual", num_lanes=2)
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=200, merge=False, fast_lane_bytes=40)
+    late = s.submit(make_task(0, 400, priority=5))  # last layers: 4 pieces of 100, 2 in flight on lane 0
+    backend.wait_launched(2)
+    first_layer = s.submit(make_task(1, 100, priority=0))  # more urgent than all in flight, too big for 40
+    backend.wait_launched(3)
+    assert [(r.nbytes, r.lane) for r in backend.ops] == [(100, 0), (100, 0), (100, 1)]
+    second = s.submit(make_task(2, 100, priority=1))  # urgent too, but the fast lane is busy now
+    less_urgent = s.submit(make_task(3, 60, priority=9))  # never bypasses more urgent work in flight
+    time.sleep(0.05)
+    assert len(backend.ops) == 3, "nothing else may start until credit frees"
+    backend.release_until_done([late, first_layer, second, less_urgent])
+    lanes = {r.keys[0]: r.lane for r in backend.ops if r.keys[0] in (1, 3)}
+    assert lanes == {1: 1, 3: 0}
+    # In flight never exceeds the main credit plus one operation on the fast lane.
+    assert max(r.in_flight_after for r in backend.ops) <= 200 + 100
+    results([late, first_layer, second, less_urgent])
+
+
 @pytest.mark.parametrize("num_lanes, fast_lane", [(None, 40), (1, 40), (2, 0)])
 def test_single_lane_or_fast_lane_off(cleanup, num_lanes, fast_lane):
     backend = cleanup.backend("immediate", num_lanes=num_lanes)

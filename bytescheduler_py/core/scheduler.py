@@ -380,10 +380,23 @@ class Scheduler:
             piece.queued_time = now
             heapq.heappush(self._heap, piece)
 
-    def _window(self, nbytes: int) -> Tuple[CreditWindow, int, int]:
-        """The credit window, lane and merge limit for an operation starting with ``nbytes``."""
-        if self._fast_credit is not None and nbytes <= self.config.fast_lane_bytes:
-            return self._fast_credit, 1, self.config.fast_lane_bytes
+    def _window(self, piece: Piece) -> Tuple[CreditWindow, int, int]:
+        """The credit window, lane and merge limit for an operation starting with ``piece``.
+
+        Small operations take the fast lane. A larger piece takes it too when the fast lane
+        is idle and every operation in flight on the main lane is less urgent: in the
+        backend's first-in-first-out queue it would otherwise wait for all of them (e.g. a
+        first layer's gradient of a few MiB behind the last layers' pieces).
+        """
+        fast = self._fast_credit
+        if fast is not None:
+            if piece.nbytes <= self.config.fast_lane_bytes:
+                return fast, 1, self.config.fast_lane_bytes
+            if fast.in_flight == 0 and self._credit.in_flight > 0 and piece.task.priority < min(
+                (op.pieces[0].task.priority for op in self._in_flight.values() if op.lane == 0),
+                default=float("-inf"),
+            ):
+                return fast, 1, piece.nbytes
         return self._credit, 0, self.config.partition_bytes
 
     def _take_ops(self) -> List[Operation]:
@@ -391,13 +404,14 @@ class Scheduler:
 
         Small operations go to the fast lane and count against its own window, so an urgent
         small tensor (the first layers', ready last in backward) never waits for the large
-        pieces that fill the main credit; large ones count against ``credit_bytes``.
+        pieces that fill the main credit; large ones count against ``credit_bytes``, except
+        an urgent one that finds the fast lane idle (see :meth:`_window`).
         """
         heap = self._heap
         merge = self.config.merge
         ops: List[Operation] = []
         while heap:
-            window, lane, limit = self._window(heap[0].nbytes)
+            window, lane, limit = self._window(heap[0])
             if not window.admits(heap[0].nbytes):
                 break
             first = heapq.heappop(heap)
