@@ -5,35 +5,52 @@
 
     kv = ScheduledKVStore("dist_sync", partition_bytes="4MB", credit_bytes="16MB", timeout=300)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {...}, kvstore=kv, update_on_kvstore=True)
-    kv.overlap(net)          # optional: let the next forward start before every pull is queued
+    kv.overlap(net)                  # optional: the next forward starts before every pull is queued
     ... train ...
-    kv.close()               # or leave it to interpreter exit
+    kv.set_partition_bytes("8MB")    # at any time, e.g. between steps (a tuner)
+    ... train ...
+    kv.close()                       # or leave it to interpreter exit
 
-On a ``dist_*`` store every ``pushpull`` becomes a :class:`~bytescheduler.core.task.Task` of the
-core :class:`~bytescheduler.core.scheduler.Scheduler`: priority ``-priority`` (MXNet: higher goes
-sooner; the Trainer passes ``-i``, so the first layers go first), split into element ranges of at
-most ``partition_bytes``. A key larger than that is stored on the servers as *sub-keys*, one per
-range (ints ``SUBKEY_BASE + n`` for int keys, ``"<key>#bs<j>"`` for str keys), initialised
-collectively when the key is ``init``-ed or ``broadcast``. ``local`` and ``device`` stores are
-passed straight through.
+On a ``dist_*`` store every ``pushpull``, ``push`` and ``pull`` becomes a
+:class:`~bytescheduler.core.task.Task` of the core :class:`~bytescheduler.core.scheduler.Scheduler`:
+priority ``-priority`` (MXNet: higher goes sooner; the Trainer passes ``-i``, so the first layers
+go first), cut into pieces of about ``partition_bytes`` and admitted under ``credit_bytes``.
+``local`` and ``device`` stores are passed straight through.
+
+Server grain. A key larger than ``grain_bytes`` lives on the servers as *sub-keys* of at most
+``grain_bytes`` each (ints ``SUBKEY_BASE + n`` for int keys, ``"<key>#bs<j>"`` for str keys),
+initialised collectively when the key is ``init``-ed or ``broadcast``. The grain is fixed for the
+run: the servers keep state per key (the value and, with ``update_on_kvstore``, the optimizer's
+momentum), which new keys would start without. The scheduler sees such a key as a tensor with one
+element per sub-key, so every piece it cuts is a run of whole sub-keys, sent with one
+list-of-keys call. Changing the partition size (:meth:`ScheduledKVStore.set_partition_bytes`)
+therefore only regroups sub-keys and never touches server state; sizes below the grain are
+refused. The default grain is ``min(partition_bytes, 1 MiB)``.
 
 Threads: every call on the inner store is made by one "kv thread" (MXNet's kvstore is not thread
-safe); a "waiter" thread learns completion through ``wait_to_read`` and tells the scheduler.
-Generations of one key are serialised: the next ``pushpull`` of a key is submitted only when the
-previous one completed (the dist store's push buffers must not be shared by two operations).
+safe); a "waiter" thread learns completion through ``wait_to_read`` (``wait_to_write`` for a
+push) and tells the scheduler.
+
+Order within a key: the next operation of a key is submitted to the scheduler only once the
+previous one completed. Two pushes of one worker in flight for one key break the server's count
+(it counts pushes, not workers), and a pull still in flight when the key's next push goes out
+(e.g. the pull of ``broadcast``, which gluon's Trainer does in the same ``step`` as the first
+push) may be answered with the next merged value: with ``update_on_kvstore=False`` unwrapped
+MXNet then sets the weights to the gradient sum (see docs/mxnet.md).
 
 When does a call return? MXNet's engine orders operations by the time they are *queued*, so a
-forward (or an optimizer update) queued before the kv thread queued the pull would read the old
-array. Hence ``pushpull`` waits until all its pulls have been queued on the kv thread (not until
-they completed), unless every output array belongs to a parameter registered with
-:meth:`ScheduledKVStore.overlap`: then it returns at once and the forward pre-hooks of the blocks
-wait instead, so communication of the last layers overlaps the forward of the first ones.
-``push``, ``pull``, ``init`` and ``broadcast`` wait for earlier scheduled operations on the same
-key, then run (partitioned) on the kv thread; they return once queued, as MXNet's do.
+forward (or an optimizer update, or a refill of a pushed array) queued before the kv thread
+queued our call would run on the wrong data. Hence every call returns once all its pieces have
+been queued on the kv thread (not completed), which includes waiting for the key's previous
+operation. One exception: a ``pushpull`` whose outputs all belong to parameters registered with
+:meth:`ScheduledKVStore.overlap` returns at once, and the forward pre-hooks of the blocks wait
+instead, so communication of the last layers overlaps the forward of the first ones. As a
+consequence, every worker must push a key before any worker waits to pull it (true of every
+data-parallel loop; ``init`` and ``broadcast`` are collective as in MXNet).
 
-Limitations: push and pull outside ``pushpull`` are not scheduled (only partitioned); sparse
-arrays, ``row_sparse_pull`` and gradient compression on partitioned keys are not supported;
-per-tensor-norm optimizers (LARS, LAMB) are refused on the servers when keys are partitioned.
+Limitations: sparse arrays, ``row_sparse_pull`` and gradient compression on partitioned keys are
+not supported; per-tensor-norm optimizers (LARS, LAMB) are refused on the servers when keys are
+partitioned.
 """
 
 from __future__ import annotations
@@ -46,18 +63,18 @@ import threading
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 import numpy as np
 
-from ..core.config import SchedulerConfig
+from ..core.config import SchedulerConfig, Size, parse_size
 from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationTimeout
 from ..core.partition import partition_ranges
 from ..core.scheduler import Scheduler
 from ..core.task import Operation, Task
 
-__all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES"]
+__all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "GRAIN_BYTES"]
 
 log = logging.getLogger("bytescheduler.mxnet")
 
@@ -65,6 +82,9 @@ log = logging.getLogger("bytescheduler.mxnet")
 # ``key * 9973`` in a 32-bit int, so keys must stay below about 215,000.
 SUBKEY_BASE = 100_000
 _MAX_INT_KEY = (2**31 - 1) // 9973
+
+# The default server grain is the smaller of this and the initial partition size.
+GRAIN_BYTES = 1024**2
 
 KNOWN_TYPES = frozenset({
     "local", "device", "nccl", "local_update_cpu", "local_allreduce_cpu", "local_allreduce_device",
@@ -87,6 +107,22 @@ def _flat(arr, start: int, stop: int):
     if start == 0 and stop == flat.shape[0]:
         return flat
     return flat[start:stop]
+
+
+def _wait_to_write(arr) -> None:
+    """Wait until every operation queued on ``arr`` finished, reads included (a push reads).
+
+    MXNet's Python API has only ``wait_to_read``, which does not wait for reads.
+    """
+    mx.base.check_call(mx.base._LIB.MXNDArrayWaitToWrite(arr.handle))
+
+
+def _mx_args(keys: Sequence[Any], arrays: List[List[Any]]) -> Tuple[Any, Any]:
+    """MXNet's argument form: one key and its array(s), or a list of keys and one entry per key."""
+    entries = [group[0] if len(group) == 1 else group for group in arrays]
+    if len(keys) == 1:
+        return keys[0], entries[0]
+    return list(keys), entries
 
 
 class _KVThread:
@@ -142,41 +178,57 @@ class _KVThread:
 
 
 class _KeyInfo:
-    """What the wrapper knows about one user key."""
+    """What the wrapper knows about one user key: its shape and its sub-keys on the servers."""
 
-    __slots__ = ("key", "index", "shape", "dtype", "numel", "itemsize", "ranges", "subkeys", "last")
+    __slots__ = ("key", "index", "shape", "dtype", "numel", "itemsize", "grains", "subkeys", "last")
 
-    def __init__(self, key, index: int, shape, dtype, ranges, subkeys) -> None:
+    def __init__(self, key, index: int, shape, dtype, grains: List[Tuple[int, int]], subkeys: List[Any]) -> None:
         self.key = key
         self.index = index  # the core Task key
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.numel = int(np.prod(self.shape)) if self.shape else 1
         self.itemsize = self.dtype.itemsize
-        self.ranges: List[Tuple[int, int]] = ranges
-        self.subkeys: Dict[int, Any] = subkeys  # range start -> store key
+        self.grains = grains  # element range of each sub-key, in order
+        self.subkeys = subkeys  # the store key of each grain
         self.last: Optional["_Job"] = None
 
     @property
     def partitioned(self) -> bool:
-        return len(self.ranges) > 1
+        return len(self.grains) > 1
+
+    def task(self, payload: "_Job", priority: float) -> Task:
+        """The scheduler's view of the key: one element per sub-key (a piece is a run of them)."""
+        first, stop = self.grains[0]
+        return Task(self.index, len(self.grains), (stop - first) * self.itemsize, priority, payload,
+                    name=f"key{self.key}")
 
 
 class _Job:
-    """One scheduled pushpull of one key."""
+    """One scheduled ``push``, ``pull`` or ``pushpull`` of one key."""
 
-    __slots__ = ("info", "values", "outs", "priority", "task", "queued", "to_queue", "error", "lock")
+    __slots__ = ("kind", "info", "values", "outs", "priority", "ignore_sparse", "task", "queued",
+                 "unqueued", "error", "lock")
 
-    def __init__(self, info: _KeyInfo, values, outs, priority: int) -> None:
+    def __init__(self, kind: str, info: _KeyInfo, values: List[Any], outs: List[Any], priority: int,
+                 ignore_sparse: bool = True) -> None:
+        self.kind = kind
         self.info = info
-        self.values = values
-        self.outs = outs
+        self.values = values  # arrays pushed (push, pushpull)
+        self.outs = outs  # arrays pulled into (pull, pushpull)
         self.priority = priority
-        self.task: Optional[Task] = None
-        self.queued = threading.Event()  # every piece's pushpull is queued on the kv thread
-        self.to_queue = len(info.ranges)
+        self.ignore_sparse = ignore_sparse
+        self.task = info.task(self, -priority)
+        self.queued = threading.Event()  # every piece's call is queued on the kv thread
+        self.unqueued = self.task.numel  # sub-keys not queued yet
         self.error: Optional[BaseException] = None
         self.lock = threading.Lock()
+
+    def mark_queued(self, subkeys: int) -> None:
+        with self.lock:
+            self.unqueued -= subkeys
+            if self.unqueued == 0:
+                self.queued.set()
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
@@ -191,9 +243,12 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         store: an ``mx.kv.KVStore`` or a store type string such as ``"dist_sync"``.
         partition_bytes, credit_bytes, timeout: scheduler options (None: environment or
             default, see :class:`~bytescheduler.core.config.SchedulerConfig`).
+        grain_bytes: size of the sub-keys large keys are split into on the servers, and the
+            smallest partition size allowed during the run (default ``min(partition_bytes, 1 MiB)``).
     """
 
-    def __init__(self, store="dist_sync", partition_bytes=None, credit_bytes=None, timeout=None) -> None:
+    def __init__(self, store="dist_sync", partition_bytes=None, credit_bytes=None, timeout=None,
+                 grain_bytes=None) -> None:
         if isinstance(store, str):
             name = store.lower()
             registered = {k.lower() for k in getattr(mx.kvstore.KVStoreBase, "kv_registry", {})}
@@ -201,20 +256,31 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                 raise ValueError(
                     f"unknown kvstore type {store!r} (mx.kv.create would silently return a local "
                     f"store); use one of {sorted(KNOWN_TYPES | registered)}")
+        elif isinstance(store, ScheduledKVStore):
+            raise TypeError("the store is already a ScheduledKVStore")
+        elif not isinstance(store, mx.kvstore.KVStoreBase):
+            raise TypeError(f"store must be an MXNet KVStore or a type string, not {type(store).__name__}")
+        config = SchedulerConfig.resolve(partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                         timeout=timeout, merge=False)
+        if grain_bytes is None:
+            grain = min(config.partition_bytes, GRAIN_BYTES)
+        else:
+            grain = parse_size(grain_bytes, "grain_bytes")
+            if grain > config.partition_bytes:
+                raise ValueError(f"grain_bytes={grain} is larger than partition_bytes={config.partition_bytes}; "
+                                 "a piece holds whole grains, so the grain must not exceed the partition size")
+        if isinstance(store, str):
             inner = mx.kv.create(store)
             if ("dist" in name) != ("dist" in inner.type):
                 raise ValueError(f"asked for a {store!r} store but MXNet created {inner.type!r}")
-        elif isinstance(store, mx.kvstore.KVStoreBase):
-            if isinstance(store, ScheduledKVStore):
-                raise TypeError("the store is already a ScheduledKVStore")
-            inner = store
         else:
-            raise TypeError(f"store must be an MXNet KVStore or a type string, not {type(store).__name__}")
+            inner = store
         self._inner = inner
         self._type = inner.type
         self._scheduled = "dist" in self._type
-        self._config = SchedulerConfig.resolve(partition_bytes=partition_bytes, credit_bytes=credit_bytes,
-                                               timeout=timeout, merge=False)
+        self._config = config
+        self._grain_bytes = grain
+        self._partition_bytes = config.partition_bytes
         self._closed = False
         self._close_lock = threading.Lock()
         self._keys: Dict[Any, _KeyInfo] = {}
@@ -231,7 +297,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._rank = inner.rank
         self._num_workers = inner.num_workers
         self._kv = _KVThread(f"bytescheduler-kv-r{self._rank}")
-        self._waits: "queue.Queue[Optional[Tuple[list, Callable]]]" = queue.Queue()
+        self._waits: "queue.Queue[Optional[Tuple[List[Tuple[Any, bool]], Callable]]]" = queue.Queue()
         self._waiter = threading.Thread(target=self._run_waiter, name=f"bytescheduler-wait-r{self._rank}",
                                         daemon=True)
         self._waiter.start()
@@ -262,8 +328,47 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
     def scheduler(self) -> Optional[Scheduler]:
         return self._scheduler if self._scheduled else None
 
+    @property
+    def partition_bytes(self) -> int:
+        """The current size of the scheduled pieces (see :meth:`set_partition_bytes`)."""
+        return self._partition_bytes
+
+    @property
+    def grain_bytes(self) -> int:
+        """The size of the sub-keys on the servers, fixed for the run."""
+        return self._grain_bytes
+
     def is_capable(self, capability: str) -> bool:
         return self._inner.is_capable(capability)
+
+    def set_partition_bytes(self, partition_bytes: Size) -> int:
+        """Change the size of the scheduled pieces from now on; return it in bytes.
+
+        Call it at any time from the training thread, e.g. between steps when a tuner picks a
+        new size. Operations submitted afterwards are cut at the new size; pieces already
+        queued keep theirs. A piece is a run of whole sub-keys, so it holds
+        ``partition_bytes // grain_bytes`` of them. The servers' keys and their state (values,
+        optimizer momentum) stay as they are, so the math does not change, and the call is not
+        collective: workers may even use different sizes.
+
+        Raises ``ValueError`` below :attr:`grain_bytes`: smaller pieces would need new server
+        keys, which would start without the old keys' state. Pass a smaller ``grain_bytes`` to
+        the constructor to allow smaller pieces.
+
+        >>> kv.set_partition_bytes("8MB")
+        8000000
+        """
+        size = parse_size(partition_bytes, "partition_bytes")
+        if size < self._grain_bytes:
+            raise ValueError(
+                f"partition_bytes={size} is below the server grain of {self._grain_bytes} bytes fixed "
+                "when the store was created (smaller pieces would need new server keys, losing their "
+                "optimizer state); create the ScheduledKVStore with a smaller grain_bytes")
+        self._check_open()
+        self._partition_bytes = size
+        if self._scheduled:
+            self._scheduler.reconfigure(partition_bytes=size)
+        return size
 
     # ------------------------------------------------------------------ helpers
 
@@ -275,22 +380,29 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         if self._closed:
             raise ByteSchedulerError("the ScheduledKVStore was closed")
 
-    def _check_key(self, key) -> None:
-        if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer, str)):
-            raise TypeError(f"kvstore keys are int or str, not {type(key).__name__} ({key!r})")
-        kind = str if isinstance(key, str) else int
-        if self._key_kind is None:
-            self._key_kind = kind
-        elif kind is not self._key_kind:
-            raise TypeError(f"key {key!r} is {kind.__name__} but this store already uses "
-                            f"{self._key_kind.__name__} keys; MXNet cannot mix int and str keys")
-        if kind is int and not 0 <= int(key) < SUBKEY_BASE:
-            raise ValueError(f"int key {key} out of range: ScheduledKVStore needs int keys in "
-                             f"[0, {SUBKEY_BASE}) (sub-keys of partitioned tensors use the keys above)")
+    def _check_keys(self, keys: Sequence[Any]) -> Optional[type]:
+        """Check the keys' types and range (every key of a call, before anything is done).
+
+        Returns their type (int or str), None for no keys.
+        """
+        kinds = set()
+        for key in keys:
+            if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer, str)):
+                raise TypeError(f"kvstore keys are int or str, not {type(key).__name__} ({key!r})")
+            kind = str if isinstance(key, str) else int
+            if kind is int and not 0 <= int(key) < SUBKEY_BASE:
+                raise ValueError(f"int key {key} out of range: ScheduledKVStore needs int keys in "
+                                 f"[0, {SUBKEY_BASE}) (sub-keys of partitioned tensors use the keys above)")
+            kinds.add(kind)
+        known = {self._key_kind} if self._key_kind is not None else set()
+        if len(kinds | known) > 1:
+            used = f"this store already uses {self._key_kind.__name__} keys" if known else "the keys differ"
+            raise TypeError(f"keys {list(keys)!r} mix int and str ({used}); MXNet cannot mix int and str keys")
+        return kinds.pop() if kinds else None
 
     def _info(self, key) -> _KeyInfo:
-        self._check_key(key)
-        info = self._keys.get(int(key) if not isinstance(key, str) else key)
+        self._check_keys([key])
+        info = self._keys.get(key if isinstance(key, str) else int(key))
         if info is None:
             raise KeyError(f"key {key!r} was not initialised: call init(key, value) or broadcast first")
         return info
@@ -305,18 +417,22 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             return list(zip(key, values))
         return [(key, value)]
 
-    def _check_shapes(self, info: _KeyInfo, arrays, what: str) -> None:
+    @staticmethod
+    def _check_arrays(key, arrays, shape, dtype, what: str) -> None:
         for arr in arrays:
             if not isinstance(arr, mx.nd.NDArray):
-                raise TypeError(f"{what} for key {info.key!r} must be an NDArray, not {type(arr).__name__}")
-            if tuple(arr.shape) != info.shape:
-                raise ValueError(f"{what} for key {info.key!r} has shape {tuple(arr.shape)} but the key "
-                                 f"was initialised with shape {info.shape}")
-            if np.dtype(arr.dtype) != info.dtype:
-                raise ValueError(f"{what} for key {info.key!r} has dtype {np.dtype(arr.dtype)} but the key "
-                                 f"was initialised with dtype {info.dtype}")
+                raise TypeError(f"{what} for key {key!r} must be an NDArray, not {type(arr).__name__}")
+            if tuple(arr.shape) != tuple(shape):
+                raise ValueError(f"{what} for key {key!r} has shape {tuple(arr.shape)} but the key "
+                                 f"was initialised with shape {tuple(shape)}")
+            if np.dtype(arr.dtype) != np.dtype(dtype):
+                raise ValueError(f"{what} for key {key!r} has dtype {np.dtype(arr.dtype)} but the key "
+                                 f"was initialised with dtype {np.dtype(dtype)}")
             if arr.stype != "default":
                 raise NotImplementedError("ScheduledKVStore supports dense arrays only")
+
+    def _check_shapes(self, info: _KeyInfo, arrays, what: str) -> None:
+        self._check_arrays(info.key, arrays, info.shape, info.dtype, what)
 
     def _wait_key(self, info: _KeyInfo) -> None:
         """Wait until the last scheduled operation of ``info`` completed."""
@@ -335,115 +451,118 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         if not job.queued.wait(self._config.timeout):
             self._scheduler.check()
             raise CommunicationTimeout(
-                f"rank {self.rank}: the pull of key {job.info.key!r} was not started within "
-                f"{self._config.timeout} s; is a peer dead or not training?")
+                f"rank {self.rank}: the {job.kind} of key {job.info.key!r} could not start within "
+                f"{self._config.timeout} s (it waits for the key's previous operation, which needs every "
+                "worker); a peer may have died or stopped training")
         if job.error is not None:
             error = job.error
             raise type(error)(str(error)) from error
 
     # ------------------------------------------------------------------ init / broadcast
 
-    def _register(self, key, value) -> _KeyInfo:
-        """Record a new key and allocate its sub-keys (same order on every worker)."""
-        self._check_key(key)
-        key = key if isinstance(key, str) else int(key)
-        if key in self._keys:
-            raise ValueError(f"key {key!r} was already initialised")
-        if not isinstance(value, mx.nd.NDArray):
-            raise TypeError(f"value for key {key!r} must be an NDArray, not {type(value).__name__}")
-        if value.stype != "default":
-            raise NotImplementedError("ScheduledKVStore supports dense arrays only")
-        numel = int(np.prod(value.shape)) if value.shape else 1
-        itemsize = np.dtype(value.dtype).itemsize
-        ranges = partition_ranges(numel, itemsize, self._config.partition_bytes) or [(0, numel)]
-        if len(ranges) == 1:
-            subkeys = {0: key}
-        elif isinstance(key, str):
-            subkeys = {start: f"{key}#bs{j}" for j, (start, _) in enumerate(ranges)}
-        else:
-            subkeys = {}
-            for start, _ in ranges:
-                if self._next_subkey > _MAX_INT_KEY:
-                    raise ValueError("too many partitions: raise partition_bytes")
-                subkeys[start] = self._next_subkey
-                self._next_subkey += 1
-        info = _KeyInfo(key, len(self._keys), value.shape, value.dtype, ranges, subkeys)
-        if info.partitioned and self._optimizer_sent:
-            self._check_optimizer(self._optimizer, [info])
-        self._keys[key] = info
-        return info
+    def _register(self, pairs: List[Tuple[Any, Any]]) -> List[_KeyInfo]:
+        """Check every new (key, value) of a call, then record them all with their sub-keys.
+
+        Nothing is recorded when one is wrong. On a dist store this is collective, like
+        ``init``: every worker registers the same keys in the same order, so they allocate the
+        same sub-keys.
+        """
+        kind = self._check_keys([key for key, _ in pairs])
+        keys = [key if isinstance(key, str) else int(key) for key, _ in pairs]
+        for key, (_, value) in zip(keys, pairs):
+            if key in self._keys or keys.count(key) > 1:
+                raise ValueError(f"key {key!r} was already initialised" if key in self._keys
+                                 else f"key {key!r} appears twice in one call")
+            if not isinstance(value, mx.nd.NDArray):
+                raise TypeError(f"value for key {key!r} must be an NDArray, not {type(value).__name__}")
+            if value.stype != "default":
+                raise NotImplementedError("ScheduledKVStore supports dense arrays only")
+        infos = []
+        for key, (_, value) in zip(keys, pairs):
+            numel = int(np.prod(value.shape)) if value.shape else 1
+            grains = partition_ranges(numel, np.dtype(value.dtype).itemsize, self._grain_bytes) or [(0, numel)]
+            info = _KeyInfo(key, len(self._keys) + len(infos), value.shape, value.dtype, grains,
+                            self._new_subkeys(key, len(grains)))
+            if info.partitioned and self._optimizer_sent:
+                self._check_optimizer(self._optimizer, [info])
+            infos.append(info)
+        self._key_kind = kind or self._key_kind
+        for info in infos:
+            self._keys[info.key] = info
+        return infos
+
+    def _new_subkeys(self, key, count: int) -> List[Any]:
+        if count == 1:
+            return [key]
+        if isinstance(key, str):
+            return [f"{key}#bs{j}" for j in range(count)]
+        if self._next_subkey + count - 1 > _MAX_INT_KEY:
+            raise ValueError(f"too many server sub-keys (int keys must stay below {_MAX_INT_KEY}); "
+                             "raise grain_bytes")
+        first, self._next_subkey = self._next_subkey, self._next_subkey + count
+        return list(range(first, first + count))
+
+    def _init_on_kv(self, infos: List[_KeyInfo], values: List[Any]) -> None:
+        """Initialise the sub-keys on the servers (one collective MXNet call)."""
+        keys, arrays = [], []
+        for info, value in zip(infos, values):
+            keys.extend(info.subkeys)
+            arrays.extend([_flat(value, start, stop)] for start, stop in info.grains)
+        self._inner.init(*_mx_args(keys, arrays))
 
     def init(self, key, value) -> None:
         if not self._scheduled:
             return self._inner.init(key, value)
-        for k, v in self._pairs(key, value):
-            info = self._register(k, _as_list(v)[0])
-            self._call(lambda info=info, v=_as_list(v)[0]: self._init_on_kv(info, v), f"init({k!r})")
+        self._check_open()
+        pairs = [(k, _as_list(v)[0]) for k, v in self._pairs(key, value)]
+        infos = self._register(pairs)
+        self._call(lambda: self._init_on_kv(infos, [v for _, v in pairs]), f"init({key!r})")
         self._maybe_resend_optimizer()
-
-    def _init_on_kv(self, info: _KeyInfo, value) -> None:
-        if not info.partitioned:
-            self._inner.init(info.key, value)
-            return
-        for start, stop in info.ranges:
-            self._inner.init(info.subkeys[start], _flat(value, start, stop))
 
     def broadcast(self, key, value, out, priority=0) -> None:
         if not self._scheduled:
             return self._inner.broadcast(key, value, out, priority)
-        pairs = self._pairs(key, value)
-        outs = self._pairs(key, out) if isinstance(key, (list, tuple)) else [(key, out)]
-        for (k, v), (_, o) in zip(pairs, outs):
-            v = _as_list(v)[0]
-            info = self._register(k, v)
-            o = _as_list(o)
-            self._check_shapes(info, o, "out")
-
-            def run(info=info, v=v, o=o):
-                if not info.partitioned:
-                    self._inner.broadcast(info.key, v, o, priority)
-                    return
-                self._init_on_kv(info, v)
-                for start, stop in info.ranges:
-                    self._inner.pull(info.subkeys[start], [_flat(x, start, stop) for x in o], priority)
-            self._call(run, f"broadcast({k!r})")
+        self._check_open()
+        pairs = [(k, _as_list(v)[0]) for k, v in self._pairs(key, value)]
+        outs = [_as_list(o) for _, o in self._pairs(key, out)]
+        for (k, v), o in zip(pairs, outs):
+            self._check_arrays(k, o, v.shape, v.dtype, "out")
+        infos = self._register(pairs)
+        self._call(lambda: self._init_on_kv(infos, [v for _, v in pairs]), f"broadcast({key!r})")
         self._maybe_resend_optimizer()
+        # The pull is an operation of the key: the key's first push waits until it completed.
+        self._run_jobs([_Job("pull", info, [], o, priority) for info, o in zip(infos, outs)])
 
     # ------------------------------------------------------------------ push / pull / pushpull
 
     def push(self, key, value, priority=0) -> None:
         if not self._scheduled:
             return self._inner.push(key, value, priority)
+        self._check_open()
+        self._scheduler.check()
+        jobs = []
         for k, v in self._pairs(key, value):
             info = self._info(k)
             values = _as_list(v)
             self._check_shapes(info, values, "value")
-            self._send_optimizer()
-            self._wait_key(info)
-
-            def run(info=info, values=values):
-                for start, stop in info.ranges:
-                    vals = [_flat(x, start, stop) for x in values]
-                    self._inner.push(info.subkeys[start], vals if len(vals) > 1 else vals[0], priority)
-            self._call(run, f"push({k!r})")
+            jobs.append(_Job("push", info, values, [], priority))
+        self._send_optimizer()
+        self._run_jobs(jobs)
 
     def pull(self, key, out=None, priority=0, ignore_sparse=True) -> None:
         if not self._scheduled:
             return self._inner.pull(key, out=out, priority=priority, ignore_sparse=ignore_sparse)
         if out is None:
             raise ValueError("pull needs out=")
+        self._check_open()
+        self._scheduler.check()
+        jobs = []
         for k, o in self._pairs(key, out):
             info = self._info(k)
             outs = _as_list(o)
             self._check_shapes(info, outs, "out")
-            self._wait_key(info)
-
-            def run(info=info, outs=outs):
-                for start, stop in info.ranges:
-                    views = [_flat(x, start, stop) for x in outs]
-                    self._inner.pull(info.subkeys[start], views if len(views) > 1 else views[0],
-                                     priority=priority, ignore_sparse=ignore_sparse)
-            self._call(run, f"pull({k!r})")
+            jobs.append(_Job("pull", info, [], outs, priority, ignore_sparse))
+        self._run_jobs(jobs)
 
     def pushpull(self, key, value, out=None, priority=0) -> None:
         if not self._scheduled:
@@ -452,7 +571,6 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._scheduler.check()
         pairs = self._pairs(key, value)
         outs = [o for _, o in self._pairs(key, out)] if out is not None else [None] * len(pairs)
-        self._send_optimizer()
         jobs = []
         for (k, v), o in zip(pairs, outs):
             info = self._info(k)
@@ -460,23 +578,31 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             out_list = values if o is None else _as_list(o)
             self._check_shapes(info, values, "value")
             self._check_shapes(info, out_list, "out")
-            job = _Job(info, values, out_list, priority)
-            job.task = Task(info.index, info.numel, info.itemsize, -priority, job, name=f"key{info.key}")
-            with self._lock:
-                previous, info.last = info.last, job
-                for arr in out_list:
-                    self._latest[id(arr)] = (arr, job)
-            if previous is None or previous.task.future.done():
-                self._submit(job, previous)
-            else:
-                previous.task.future.add_done_callback(lambda _f, job=job, prev=previous: self._submit(job, prev))
-            jobs.append(job)
+            jobs.append(_Job("pushpull", info, values, out_list, priority))
+        self._send_optimizer()
+        self._run_jobs(jobs, lambda job: not self._covered(job.outs, job.values))
+
+    def _run_jobs(self, jobs: List[_Job], wait: Callable[[_Job], bool] = lambda job: True) -> None:
+        """Submit every job (after its key's previous operation), then wait until they are queued."""
         for job in jobs:
-            if not self._covered(job.outs, job.values):
+            self._enqueue(job)
+        for job in jobs:
+            if wait(job):
                 self._wait_queued(job)
 
+    def _enqueue(self, job: _Job) -> None:
+        info = job.info
+        with self._lock:
+            previous, info.last = info.last, job
+            for arr in job.outs:
+                self._latest[id(arr)] = (arr, job)
+        if previous is None or previous.task.future.done():
+            self._submit(job, previous)
+        else:
+            previous.task.future.add_done_callback(lambda _f: self._submit(job, previous))
+
     def _submit(self, job: _Job, previous: Optional[_Job]) -> None:
-        """Submit ``job`` once the previous generation of its key completed."""
+        """Submit ``job`` once the previous operation of its key completed."""
         try:
             if previous is not None:
                 error = previous.task.future.exception(0)
@@ -487,7 +613,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             job.fail(exc)
             job.task.future.set_exception(exc)
             return
-        future.add_done_callback(lambda f, job=job: f.exception(0) is not None and job.fail(f.exception(0)))
+        future.add_done_callback(lambda f: f.exception(0) is not None and job.fail(f.exception(0)))
 
     # ------------------------------------------------------------------ the scheduler's backend
 
@@ -498,31 +624,39 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             done(exc)
 
     def _launch_on_kv(self, op: Operation, done) -> None:
-        waits = []
+        waits: List[Tuple[Any, bool]] = []
         try:
             for piece in op.pieces:
                 job: _Job = piece.task.payload
-                info = job.info
-                start, stop = piece.start, piece.stop
-                subkey = info.subkeys.get(start)
-                if subkey is None or (info.partitioned and (start, stop) not in info.ranges):
-                    raise ByteSchedulerError(f"piece [{start}, {stop}) of key {info.key!r} does not match "
-                                             f"its sub-keys {info.ranges}")
-                vals = [_flat(x, start, stop) for x in job.values]
-                outs = [_flat(x, start, stop) for x in job.outs]
-                self._inner.pushpull(subkey, vals if len(vals) > 1 else vals[0],
-                                     out=outs if len(outs) > 1 else outs[0], priority=job.priority)
-                waits.extend(outs)
-                with job.lock:
-                    job.to_queue -= 1
-                    if job.to_queue == 0:
-                        job.queued.set()
+                waits.extend(self._issue(job, piece.start, piece.stop))
+                job.mark_queued(piece.stop - piece.start)
         except BaseException as exc:  # noqa: BLE001
             for piece in op.pieces:
                 piece.task.payload.fail(exc)
             done(exc)
             return
         self._waits.put((waits, done))
+
+    def _issue(self, job: _Job, first: int, stop: int) -> List[Tuple[Any, bool]]:
+        """Queue the inner store's call for sub-keys ``[first, stop)`` of the job's key.
+
+        Returns what tells completion: ``(array, True)`` to wait for writable (a push reads
+        it), ``(array, False)`` to wait for readable (a pull writes it).
+        """
+        info = job.info
+        keys = info.subkeys[first:stop]
+        ranges = info.grains[first:stop]
+        values = [[_flat(x, start, end) for x in job.values] for start, end in ranges]
+        outs = [[_flat(x, start, end) for x in job.outs] for start, end in ranges]
+        if job.kind == "push":
+            self._inner.push(*_mx_args(keys, values), priority=job.priority)
+            return [(view, True) for group in values for view in group]
+        out_key, out = _mx_args(keys, outs)
+        if job.kind == "pull":
+            self._inner.pull(out_key, out=out, priority=job.priority, ignore_sparse=job.ignore_sparse)
+        else:
+            self._inner.pushpull(*_mx_args(keys, values), out=out, priority=job.priority)
+        return [(view, False) for group in outs for view in group]
 
     def _run_waiter(self) -> None:
         while True:
@@ -531,10 +665,13 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                 return
             arrays, done = item
             try:
-                for arr in arrays:
-                    arr.wait_to_read()
+                for arr, write in arrays:
+                    if write:
+                        _wait_to_write(arr)
+                    else:
+                        arr.wait_to_read()
             except BaseException as exc:  # noqa: BLE001
-                done(CommunicationError(f"rank {self._rank}: pushpull failed: {exc}"))
+                done(CommunicationError(f"rank {self._rank}: kvstore operation failed: {exc}"))
                 continue
             done(None)
 
@@ -546,8 +683,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         if type(optimizer).__name__.lower() in _NORM_OPTIMIZERS and any(i.partitioned for i in infos):
             raise ValueError(
                 f"{type(optimizer).__name__} computes per-tensor norms, which would be wrong on the "
-                "servers for a tensor split into pieces; raise partition_bytes above the largest "
-                "parameter, or use update_on_kvstore=False")
+                "servers for a tensor split into pieces; raise grain_bytes (and partition_bytes) above "
+                "the largest parameter, or use update_on_kvstore=False")
 
     def set_optimizer(self, optimizer) -> None:
         if not self._scheduled:
@@ -569,7 +706,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         for info in self._keys.values():
             # Exactly what a server sees for the parent key: gluon's param_dict is not pickled,
             # so (as without bytescheduler) only lr_mult, wd_mult and idx2name reach it.
-            for sub in info.subkeys.values():
+            for sub in info.subkeys:
                 if info.key in optimizer.lr_mult:
                     server.lr_mult[sub] = optimizer.lr_mult[info.key]
                 if info.key in optimizer.wd_mult:

@@ -21,7 +21,9 @@ The index is only the launch order: a worker's rank (``kv.rank``) is assigned by
 Output lines are prefixed with role and index (``[worker 1] ...``). ps-lite has no failure
 detection: when one process dies the others wait forever. So the launcher stops the whole job
 (SIGTERM to every process group it started, SIGKILL after a grace period) as soon as any process
-exits non-zero, when the deadline passes, or on Ctrl-C / SIGTERM, and says why on stderr.
+exits non-zero, when the deadline passes, or on Ctrl-C / SIGTERM, and says why on stderr. A
+worker that exits 0 while others still train is no failure by itself (it may just be first to
+finish); when the job then fails, the launcher names it.
 
 Exit status: 0 when every worker exited 0; the failing process's exit code (128 + N for a
 signal N) when one failed; 124 when the deadline passed; 127 when a process cannot be started;
@@ -269,9 +271,16 @@ class Launcher:
     def _failures(self) -> List[_Node]:
         return [node for node in self.nodes if node.popen.poll() not in (None, 0)]
 
-    def _report_failures(self, failed: List[_Node]) -> int:
+    def _report_failures(self, failed: List[_Node], training: bool = False) -> int:
         for node in failed:
             self.say(f"{node.name} (pid {node.popen.pid}) {_describe_exit(node.popen.returncode)}")
+        if training:
+            # A worker that leaves early with status 0 is no failure by itself, but the others
+            # then wait for it until they fail (e.g. a communication timeout): name it.
+            left = [node for node in self.nodes if node.role == "worker" and node.popen.returncode == 0]
+            if left:
+                self.say(", ".join(f"{node.name} (pid {node.popen.pid})" for node in left)
+                         + " had already exited with code 0, before the other workers finished")
         others = [node for node in self.nodes if node.popen.returncode is None]
         if others:
             self.say("stopping " + ", ".join(node.name for node in others))
@@ -294,7 +303,7 @@ class Launcher:
             while True:
                 failed = self._failures()
                 if failed:
-                    status = self._report_failures(failed)
+                    status = self._report_failures(failed, training=True)
                     self.stop_all()
                     stopped = True
                     return status

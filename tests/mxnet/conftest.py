@@ -6,10 +6,14 @@ itself stays free of MXNet's threads.
 """
 
 import os
+import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
+
+from tests.mxnet.processes import marked_pids
 
 CHECK = "import mxnet, numpy; print(mxnet.__version__, numpy.__version__)"
 
@@ -34,3 +38,18 @@ if _problem:
         "Run them in .venv-mxnet: make mxnet && .venv-mxnet/bin/python -m pytest tests/mxnet",
         returncode=3,
     )
+
+
+@pytest.fixture
+def marker():
+    """A fresh value for ``MARKER`` in the environment of the processes a test starts.
+
+    After the test, any such process still running is killed (only after a failed test).
+    """
+    value = uuid.uuid4().hex
+    yield value
+    for pid in marked_pids(value):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -9,25 +9,21 @@ from __future__ import annotations
 
 import io
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import List
 
 import pytest
 
 from bytescheduler.mxnet.launch import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, launch
-
+from tests.mxnet.processes import MARKER, Streamed, assert_job_stops, assert_nothing_left, marked_pids, pid_alive
 
 WORKERS = Path(__file__).resolve().parent / "workers"
 PY = sys.executable
-MARKER = "BYTESCHEDULER_TEST_MARKER"
 JOB_DEADLINE = 90.0  # seconds; a healthy job takes about 4-7 s on 2 cores
 SUBPROCESS_TIMEOUT = 150.0
 ROUNDS, KEYS = 2, 3  # as in workers/push_pull.py
@@ -44,129 +40,6 @@ LAUNCHER_WITH_SIGINT = [
 
 def worker(name: str) -> List[str]:
     return [PY, str(WORKERS / name)]
-
-
-def marked_pids(marker: str) -> List[int]:
-    """Live processes whose environment holds ``MARKER=marker`` (zombies have none)."""
-    needle = f"{MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if needle in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a live process (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            state = handle.read().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in (b"Z", b"X")
-
-
-def started_pids(messages: str) -> Dict[str, int]:
-    """The ``name -> pid`` list the launcher reports when it has started everything."""
-    line = next(line for line in messages.splitlines() if ": started " in line)
-    return {name: int(pid) for name, pid in re.findall(r"(\w+ \d+) \(pid (\d+)\)", line)}
-
-
-@pytest.fixture
-def marker():
-    value = uuid.uuid4().hex
-    yield value
-    for pid in marked_pids(value):  # only after a failed test: leave nothing running
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def assert_nothing_left(marker: str, messages: str) -> None:
-    left = [pid for pid in marked_pids(marker) if pid_alive(pid)]
-    assert not left, f"processes left running: {left}"
-    pids = started_pids(messages)
-    assert set(pids) >= {"scheduler 0", "server 0", "worker 0", "worker 1"}, pids
-    alive = {name: pid for name, pid in pids.items() if pid_alive(pid)}
-    assert not alive, f"started processes still alive: {alive}"
-
-
-class Streamed:
-    """A launcher run in a child process, its output read line by line with timestamps."""
-
-    def __init__(self, argv: List[str], marker: str, extra_env: Optional[Dict[str, str]] = None):
-        env = dict(os.environ, **(extra_env or {}))
-        env[MARKER] = marker
-        self.start = time.monotonic()
-        self.popen = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      stdin=subprocess.DEVNULL)
-        self.lines: "queue.Queue[Tuple[float, str, str]]" = queue.Queue()
-        self.out: List[Tuple[float, str]] = []
-        self.err: List[Tuple[float, str]] = []
-        self._threads = [threading.Thread(target=self._read, args=(self.popen.stdout, "out")),
-                         threading.Thread(target=self._read, args=(self.popen.stderr, "err"))]
-        for thread in self._threads:
-            thread.start()
-
-    def _read(self, stream, which: str) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.lines.put((time.monotonic(), which, line))
-        stream.close()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                when, which, line = self.lines.get_nowait()
-            except queue.Empty:
-                return
-            (self.out if which == "out" else self.err).append((when, line))
-
-    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0) -> float:
-        """Wait until ``count`` stdout lines match ``pattern``; return when the last one came."""
-        end = time.monotonic() + timeout
-        while True:
-            self._drain()
-            hits = [when for when, line in self.out if re.search(pattern, line)]
-            if len(hits) >= count:
-                return hits[count - 1]
-            if time.monotonic() > end or self.popen.poll() is not None:
-                self.finish(10)
-                raise AssertionError(f"no {count} lines matching {pattern!r}:\n{self.text()}")
-            time.sleep(0.05)
-
-    def finish(self, timeout: float = SUBPROCESS_TIMEOUT) -> Tuple[int, float]:
-        """Wait for the launcher to exit; return its status and the time it exited."""
-        try:
-            code = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(10)
-            raise AssertionError(f"launcher still running after {timeout} s:\n{self.text()}")
-        ended = time.monotonic()
-        for thread in self._threads:
-            thread.join(10)
-        self._drain()
-        return code, ended
-
-    @property
-    def stdout(self) -> str:
-        return "\n".join(line for _, line in self.out)
-
-    @property
-    def stderr(self) -> str:
-        return "\n".join(line for _, line in self.err)
-
-    def text(self) -> str:
-        self._drain()
-        return f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
 
 
 def check_sums(output: str, workers: int) -> None:
@@ -202,28 +75,19 @@ def test_dist_sync_push_pull_sums(servers, marker):
 def test_crashed_worker_stops_the_job(marker):
     run = Streamed(LAUNCHER + ["-n", "2", "-s", "1", "--deadline", str(JOB_DEADLINE), "--",
                                *worker("crash.py")], marker)
-    crashed_at = run.wait_for(r"^\[worker 1\] CRASHING")
-    code, ended = run.finish()
-    assert code == 3, run.text()
-    assert re.search(r"worker 1 \(pid \d+\) exited with code 3", run.stderr), run.text()
-    assert "stopping scheduler 0, server 0, worker 0" in run.stderr, run.text()
     # Left alone, the others would wait forever; the launcher ends them by SIGTERM at once.
-    assert ended - crashed_at < 5.0, run.text()
+    assert_job_stops(run, r"^\[worker 1\] CRASHING", 3, [r"worker 1 \(pid \d+\) exited with code 3",
+                                                         "stopping scheduler 0, server 0, worker 0"], 5.0, marker)
     assert "SIGKILL" not in run.stderr, run.text()
-    assert_nothing_left(marker, run.stderr)
 
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT)
 def test_worker_exception_through_run_worker_stops_the_job(marker):
     run = Streamed(LAUNCHER + ["-n", "2", "-s", "1", "--deadline", str(JOB_DEADLINE), "--",
                                *worker("raise_error.py")], marker)
-    failed_at = run.wait_for(r"^\[worker 1\] RuntimeError: worker failure on purpose")
-    code, ended = run.finish()
-    assert code == 1, run.text()
-    assert re.search(r"worker 1 \(pid \d+\) exited with code 1", run.stderr), run.text()
+    assert_job_stops(run, r"^\[worker 1\] RuntimeError: worker failure on purpose", 1,
+                     [r"worker 1 \(pid \d+\) exited with code 1"], 5.0, marker)
     assert "[worker 1] Traceback (most recent call last):" in run.stdout, run.text()
-    assert ended - failed_at < 5.0, run.text()
-    assert_nothing_left(marker, run.stderr)
 
 
 # --- (c) the deadline ------------------------------------------------------------------------

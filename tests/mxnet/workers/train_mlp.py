@@ -1,12 +1,20 @@
-"""dist_sync worker: train a small MLP with gluon for 20 steps; save the parameters.
+"""gluon MLP training, 20 steps; saves the parameters.
 
-    train_mlp.py MODE UPDATE_ON_KV OVERLAP HYBRID OUTFILE_PREFIX
+    train_mlp.py MODE PREFIX [--update-on-kv] [--overlap] [--hybrid] [--partition BYTES]
+                 [--grain BYTES] [--repartition STEP:BYTES ...]
 
-MODE: plain (kvstore="dist_sync") | wrapped (ScheduledKVStore, partition_bytes=1024, so the
-first layer's weight, 64x20 float32 = 5,120 bytes, goes as 5 sub-keys).
+MODE:
+  plain      a dist_sync worker with kvstore="dist_sync" (unwrapped)
+  wrapped    a dist_sync worker with ScheduledKVStore (partition 1024 B by default, so the first
+             layer's weight, 64x20 float32 = 5,120 bytes, goes as 5 pieces)
+  reference  one process, no kvstore: each step adds the gradients of rank 0's and rank 1's
+             batches (a + b is exact and commutative) and applies the same local update
+
+A worker saves PREFIX-rank{R}.params, the reference PREFIX-reference.params. ``--repartition
+5:4096`` calls ``kv.set_partition_bytes(4096)`` before step 5 (wrapped only).
 """
 
-import sys
+import argparse
 
 import mxnet as mx
 import numpy as np
@@ -15,47 +23,106 @@ from mxnet import autograd, gluon
 from bytescheduler.mxnet.launch import run_worker
 
 STEPS = 20
+BATCH = 16
+WORKERS = 2
+OPTIMIZER = ("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4})
 
 
-def main(mode, update_on_kv, overlap, hybrid, prefix) -> None:
-    update_on_kv, overlap, hybrid = update_on_kv == "1", overlap == "1", hybrid == "1"
+def build_net(hybrid):
     mx.random.seed(42)
-    np.random.seed(42)
     net = gluon.nn.Sequential()
     net.add(gluon.nn.Dense(64, activation="relu", in_units=20), gluon.nn.Dense(32, activation="relu", in_units=64),
             gluon.nn.Dense(10, in_units=32))
     net.initialize(mx.init.Xavier())
     if hybrid:
         net.hybridize()
-    if mode == "wrapped":
+    return net
+
+
+def batches(rank):
+    """The batches rank ``rank`` trains on, step by step."""
+    rng = np.random.RandomState(rank)
+    for _ in range(STEPS):
+        yield mx.nd.array(rng.uniform(-1, 1, (BATCH, 20))), mx.nd.array(rng.randint(0, 10, (BATCH,)))
+
+
+def backward(net, loss_fn, x, y):
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    return loss
+
+
+def reference(args) -> None:
+    net = build_net(args.hybrid)
+    params = list(net.collect_params().values())
+    trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=None)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for step_batches in zip(*(batches(rank) for rank in range(WORKERS))):
+        grads = []
+        for x, y in step_batches:
+            backward(net, loss_fn, x, y)
+            grads.append([p.grad().copy() for p in params])
+        for param, (first, second) in zip(params, zip(*grads)):
+            param.grad()[:] = first + second
+        trainer.step(BATCH)
+    mx.nd.waitall()
+    net.save_parameters(f"{args.prefix}-reference.params")
+    print("DONE reference")
+
+
+def worker(args) -> None:
+    net = build_net(args.hybrid)
+    if args.mode == "wrapped":
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
-        kv = ScheduledKVStore("dist_sync", partition_bytes=1024, credit_bytes=4096, timeout=60)
+        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, grain_bytes=args.grain,
+                              credit_bytes=4096, timeout=60)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4},
-                            kvstore=kv, update_on_kvstore=update_on_kv)
-    if mode == "wrapped" and overlap:
+    trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=kv, update_on_kvstore=args.update_on_kv)
+    if args.mode == "wrapped" and args.overlap:
         kv.overlap(net)
+    repartition = dict(args.repartition)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    rng = np.random.RandomState(rank)
-    for step in range(STEPS):
-        x = mx.nd.array(rng.uniform(-1, 1, (16, 20)))
-        y = mx.nd.array(rng.randint(0, 10, (16,)))
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        trainer.step(16)
-    if mode == "wrapped":
+    for step, (x, y) in enumerate(batches(rank)):
+        if step in repartition:
+            kv.set_partition_bytes(repartition[step])
+            print(f"REPARTITION rank={rank} step={step} partition_bytes={kv.partition_bytes}")
+        loss = backward(net, loss_fn, x, y)
+        trainer.step(BATCH)
+    if args.mode == "wrapped":
         kv.synchronize()
         assert kv.scheduler.stats["pieces"] > STEPS * 6, kv.scheduler.stats
         print(f"STATS rank={rank} {kv.scheduler.stats}")
     mx.nd.waitall()
-    net.save_parameters(f"{prefix}-rank{rank}.params")
-    if mode == "wrapped":
+    net.save_parameters(f"{args.prefix}-rank{rank}.params")
+    if args.mode == "wrapped":
         kv.close()
     print(f"DONE rank={rank} loss={loss.mean().asscalar():.6f}")
 
 
+def step_bytes(text):
+    step, _, size = text.partition(":")
+    return int(step), int(size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["plain", "wrapped", "reference"])
+    parser.add_argument("prefix")
+    parser.add_argument("--update-on-kv", action="store_true")
+    parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--hybrid", action="store_true")
+    parser.add_argument("--partition", type=int, default=1024)
+    parser.add_argument("--grain", type=int, default=None)
+    parser.add_argument("--repartition", type=step_bytes, nargs="*", default=[])
+    args = parser.parse_args()
+    if args.mode == "reference":
+        reference(args)
+    else:
+        worker(args)
+
+
 if __name__ == "__main__":
-    run_worker(main, *sys.argv[1:6])
+    run_worker(main)
