@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..models import MODELS
 from .report import merge, report
-from .testbed import NamespaceTestbed, Testbed, make_testbed
+from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
 TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "scheduled")
 HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled")
@@ -324,6 +324,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--auto-tune", type=int, default=0, metavar="STEPS",
                         help="auto-tune partition and credit of the scheduled torch systems during STEPS "
                         "extra warm-up steps (the tables then show the tuned setting)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="do not pin each rank to a CPU of its own (pinned by default when there are enough)")
     parser.add_argument("--mxnet-python", default=default_mxnet_python(),
                         help=f"interpreter with MXNet and bytescheduler (default: ${ENV_MXNET_PYTHON}, "
                         "else this checkout's .venv-mxnet/bin/python)")
@@ -348,6 +350,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         ("mxnet", run_mxnet_jobs, MXNET_SYSTEMS))]
     try:
         with make_testbed(WORLD, args.bandwidth) as testbed:
+            if not args.no_pin:
+                testbed.cores = pin_cores(WORLD)
+            if testbed.cores:
+                testbed.description += ("; each rank's processes pinned to a CPU of their own ("
+                                        + ", ".join(f"rank {r}: CPU {c}" for r, c in enumerate(testbed.cores)) + ")")
             print(f"bytescheduler bench: model {args.model}, batch {args.batch_size} per rank, {WORLD} ranks, "
                   f"systems {' '.join(systems)}", file=sys.stderr)
             for name, why in left_out.items():

@@ -26,8 +26,16 @@ class Testbed:
 
     description = "plain loopback (127.0.0.1): no rate limit"
     master_addr = "127.0.0.1"
+    # One CPU per rank (see :func:`pin_cores`): every process of rank i runs on cores[i],
+    # as if each rank had a machine of its own; None runs unpinned.
+    cores: Optional[List[int]] = None
 
     def wrap(self, rank: int, command: List[str]) -> List[str]:
+        return self.pinned(rank, command)
+
+    def pinned(self, rank: int, command: List[str]) -> List[str]:
+        if self.cores:
+            return ["taskset", "-c", str(self.cores[rank % len(self.cores)]), *command]
         return command
 
     def env(self, rank: int) -> Dict[str, str]:
@@ -96,7 +104,7 @@ class NamespaceTestbed(Testbed):
             self._tc("-n", self.hub, "qdisc", "replace", "dev", port, *shape)  # downlink
 
     def wrap(self, rank: int, command: List[str]) -> List[str]:
-        return ["ip", "netns", "exec", self.names[rank], *command]
+        return ["ip", "netns", "exec", self.names[rank], *self.pinned(rank, command)]
 
     def env(self, rank: int) -> Dict[str, str]:
         # gloo (torch's and Horovod's) and ps-lite bind this interface (else they may pick
@@ -123,6 +131,18 @@ def namespaces_available() -> Optional[str]:
         if shutil.which(tool) is None:
             return f"{tool} (iproute2) is not installed"
     return None
+
+
+def pin_cores(ranks: int) -> Optional[List[int]]:
+    """A CPU for each rank, or None when there are fewer CPUs than ranks or no ``taskset``.
+
+    Pinned, the ranks of a 2-core machine do not steal each other's core: each behaves
+    like a machine of its own with one core, which is what the benchmark models.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks or shutil.which("taskset") is None:
+        return None
+    return cpus[:ranks]
 
 
 def make_testbed(ranks: int, bandwidth: str) -> Testbed:
