@@ -280,3 +280,14 @@ def test_scheduler_config_plus_keyword_keeps_the_rest_of_the_config(monkeypatch,
     finally:
         s.stop()
     assert os.listdir(tmp_path) == []
+
+
+def test_adapter_defaults_sit_below_environment_and_keywords():
+    from bytescheduler.core import SchedulerConfig
+
+    defaults = SchedulerConfig(partition_bytes=64 * 2**20, credit_bytes=256 * 2**20)
+    assert SchedulerConfig.resolve(environ={}, defaults=defaults).partition_bytes == 64 * 2**20
+    env = {"BYTESCHEDULER_PARTITION": "1MiB"}
+    assert SchedulerConfig.resolve(environ=env, defaults=defaults).partition_bytes == 2**20
+    assert SchedulerConfig.resolve(environ=env, defaults=defaults, partition_bytes=512).partition_bytes == 512
+    assert SchedulerConfig.resolve(environ=env, defaults=defaults).credit_bytes == 256 * 2**20

@@ -145,8 +145,10 @@ class SchedulerConfig:
     auto_tune: bool = False
 
     @classmethod
-    def resolve(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "SchedulerConfig":
-        """Build a config from defaults, then ``environ`` (default ``os.environ``), then keywords.
+    def resolve(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional["SchedulerConfig"] = None,
+                **overrides: Any) -> "SchedulerConfig":
+        """Build a config from ``defaults`` (default: the class defaults), then ``environ``
+        (default ``os.environ``), then keywords.
 
         Keywords whose value is None are ignored, so adapters can pass their arguments through.
         """
@@ -158,7 +160,7 @@ class SchedulerConfig:
             if env.get(name) or (name == ENV_DEBUG and name in env)
         }
         values.update(_parse_options(overrides))
-        return replace(cls(), **values)
+        return replace(defaults if defaults is not None else cls(), **values)
 
     def with_options(self, **overrides: Any) -> "SchedulerConfig":
         """A copy with the given keywords (None ones ignored) parsed and applied; no environment."""
