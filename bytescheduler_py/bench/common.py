@@ -60,6 +60,9 @@ class System:
     def flush(self) -> None:
         pass
 
+    def trace(self, active: bool) -> None:
+        """Record the scheduler's timeline only while the traced round runs."""
+
     def stats(self) -> dict:
         return {}
 
@@ -116,6 +119,7 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     for round_index in range(args.rounds):
         for name, system in systems.items():
             tracer.active = round_index == args.rounds - 1 and not args.no_trace
+            system.trace(tracer.active)
             barrier()
             start = time.perf_counter()
             for _ in range(args.iters):

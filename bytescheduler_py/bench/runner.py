@@ -338,7 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.bandwidth, args.model, args.batch_size = "none", "vgg-small", 16
-        args.warmup, args.iters, args.rounds = 2, 3, 5
+        args.warmup, args.iters, args.rounds = 3, 10, 4
     started = time.monotonic()
     systems, left_out = choose_systems(args)
     args.systems = systems

@@ -81,6 +81,9 @@ class Scheduled(System):
     def stats(self) -> dict:
         return self.optimizer._bytescheduler.scheduler.stats
 
+    def trace(self, active: bool) -> None:
+        _record(self.optimizer._bytescheduler.scheduler, active)
+
     def close(self) -> None:
         self.optimizer.close()
 
@@ -94,8 +97,16 @@ class HookedDDP(System):
     def stats(self) -> dict:
         return self.state.scheduler.stats
 
+    def trace(self, active: bool) -> None:
+        _record(self.state.scheduler, active)
+
     def close(self) -> None:
         self.state.close()
+
+
+def _record(scheduler, active: bool) -> None:
+    if scheduler.timeline is not None:
+        scheduler.timeline.recording = active
 
 
 def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:

@@ -206,6 +206,11 @@ class Scheduler:
         with self._cond:
             self._raise_error()
 
+    @property
+    def timeline(self) -> Optional[Timeline]:
+        """The Chrome-trace writer when ``timeline`` is configured (toggle its ``recording``)."""
+        return self._timeline
+
     def step_boundary(self) -> None:
         """Tell the scheduler a training step begins (adapters call it once per step).
 
@@ -506,7 +511,7 @@ class Scheduler:
                 if task.remaining == 0 and self._pending.pop((task.key, task.generation), None):
                     finished.append(task)
             self._cond.notify_all()
-        if self._timeline is not None:
+        if self._timeline is not None and self._timeline.recording:
             self._record(op, finished, now)
         for task in finished:
             task.future.set_result(task)
