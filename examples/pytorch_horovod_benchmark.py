@@ -32,7 +32,6 @@ def main() -> None:
     parser.add_argument("--num-batches-per-iter", type=int, default=5, help="iterations per timed block")
     parser.add_argument("--num-iters", type=int, default=5, help="timed blocks")
     parser.add_argument("--partition", default=None, help="partition size, e.g. 4MiB")
-    parser.add_argument("--credit", default=None, help="credit size, e.g. 16MiB")
     parser.add_argument("--no-bytescheduler", action="store_true", help="hvd.DistributedOptimizer alone")
     args = parser.parse_args()
 
@@ -54,7 +53,7 @@ def main() -> None:
     if not args.no_bytescheduler:
         num_steps = args.num_warmup_batches + args.num_iters * args.num_batches_per_iter
         optimizer = bsc.ScheduledOptimizer(
-            model, optimizer, num_steps, partition_bytes=args.partition, credit_bytes=args.credit,
+            model, optimizer, num_steps, partition_bytes=args.partition,
         )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -282,6 +282,14 @@ def scenario_bad() -> None:
             errors[case] = {"type": type(error).__name__, "message": str(error)}
         else:
             errors[case] = None
+    # A credit would deadlock under Horovod (ranks fill it with different pieces).
+    model, _ = fresh_model("tiny")
+    try:
+        bsc.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), 10, credit_bytes="16MiB")
+    except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
+        errors["credit"] = {"type": type(error).__name__, "message": str(error)}
+    else:
+        errors["credit"] = None
     # Wrapping twice would register a second set of hooks: every update applied twice.
     model, _ = fresh_model("tiny")
     once = bsc.ScheduledOptimizer(

@@ -12,7 +12,7 @@ BIN = os.path.dirname(sys.executable)
 TIMEOUT = 180
 SMALL = [
     "--model", "tiny", "--batch-size", "8", "--num-warmup-batches", "2", "--num-iters", "2",
-    "--num-batches-per-iter", "2", "--partition", "64KiB", "--credit", "256KiB",
+    "--num-batches-per-iter", "2", "--partition", "64KiB",
 ]
 
 
@@ -72,7 +72,7 @@ def test_scheduled_optimizer_example_under_torchrun(extra, system):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        os.path.join(ROOT, "examples", "pytorch_scheduled_optimizer.py"), *SMALL, *extra,
+        os.path.join(ROOT, "examples", "pytorch_scheduled_optimizer.py"), *SMALL, "--credit", "256KiB", *extra,
     ]
     _check(*_run(command), system)
 

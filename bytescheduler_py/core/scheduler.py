@@ -78,6 +78,7 @@ class Scheduler:
         tuning_agree: with ``auto_tune`` and no channel, maps this rank's measured step
             time to the value every rank uses (e.g. a broadcast from rank 0), for backends
             whose ranks must partition alike; None when each rank may tune alone.
+        tune_credit: False makes auto-tuning leave the credit alone.
 
     The scheduler is started on construction and stopped by :meth:`stop` (or the end of
     a ``with`` block). ``stop`` is collective when a channel is used: every rank calls it.
@@ -90,6 +91,7 @@ class Scheduler:
         rank: int = 0,
         config: Optional[SchedulerConfig] = None,
         tuning_agree: Optional[Callable[[float], float]] = None,
+        tune_credit: bool = True,
         **options,
     ) -> None:
         if config is None:
@@ -132,7 +134,8 @@ class Scheduler:
         # Followers replay the leader's pieces: only the deciding rank tunes.
         self.tuner: Optional[AutoTuner] = None
         if config.auto_tune and self._leader:
-            self.tuner = AutoTuner(config.partition_bytes, config.credit_bytes, self.reconfigure, agree=tuning_agree)
+            self.tuner = AutoTuner(config.partition_bytes, config.credit_bytes, self.reconfigure, agree=tuning_agree,
+                                   tune_credit=tune_credit)
         self._ops_launched = 0
         self._pieces_launched = 0
 

@@ -7,10 +7,16 @@
 >>> optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps)               # doctest: +SKIP
 
 Horovod moves the bytes (``allreduce_async_`` on each piece); bytescheduler decides which
-pieces go when (priority, partition, credit) and applies each parameter's update as soon
+pieces go when (priority, partition) and applies each parameter's update as soon
 as its gradient is averaged. Horovod's coordinator already agrees on an order across
 ranks, so no order channel is needed; merging is left to Horovod's tensor fusion (our
 own merging would give different operations on different ranks).
+
+No credit either: with every rank choosing by itself which pieces to hand to Horovod, a
+credit deadlocks as soon as two ranks fill it with different pieces (each waits in
+Horovod for the other to submit its own). Every ready piece is handed over at once, in
+priority order, and Horovod's coordinator runs them as all ranks have them; the speed
+comes from the cross-iteration overlap (the next forward waits only for its own layers).
 """
 
 import itertools
@@ -32,6 +38,8 @@ from .overlap import OverlapEngine
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.
 _NEVER = 1 << 62
+# Bytes in flight under Horovod: unlimited (see the module docstring).
+_NO_CREDIT = 1 << 62
 # Creating a ScheduledOptimizer is collective, so backends are numbered alike on every rank:
 # the number keeps the Horovod tensor names of two optimizers (e.g. a GAN's) apart.
 _backend_ids = itertools.count()
@@ -144,8 +152,9 @@ def ScheduledOptimizer(
             ``backward_passes_per_step`` are kept) or a plain torch optimizer.
         num_steps: accepted for the original API and ignored: nothing needs to know when
             training ends (call ``close()``).
-        partition_bytes, credit_bytes, timeout, timeline, auto_tune: see
-            :class:`bytescheduler.core.SchedulerConfig`. With ``auto_tune`` every rank
+        partition_bytes, timeout, timeline, auto_tune: see
+            :class:`bytescheduler.core.SchedulerConfig`. ``credit_bytes`` is refused (see
+            the module docstring: it would deadlock). With ``auto_tune`` every rank
             uses rank 0's step times, so all ranks switch to the same sizes at the same step.
         backward_passes_per_step: defaults to the Horovod optimizer's.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
@@ -153,14 +162,18 @@ def ScheduledOptimizer(
     Returns an instance of the user's optimizer class.
     """
     del num_steps
+    if credit_bytes is not None:
+        raise ValueError(
+            "credit_bytes cannot be used with Horovod: each rank picks its own pieces, and a credit "
+            "deadlocks when two ranks fill it with different ones; leave it unset (partition_bytes works)"
+        )
     if hasattr(optimizer, "_bytescheduler"):
         raise TypeError("this optimizer is already wrapped by bytescheduler")
     init()
     base, passes = _unwrap(optimizer)
     config = SchedulerConfig.resolve(
-        partition_bytes=partition_bytes, credit_bytes=credit_bytes, timeout=timeout, timeline=timeline, merge=False,
-        auto_tune=auto_tune,
-    )
+        partition_bytes=partition_bytes, timeout=timeout, timeline=timeline, merge=False, auto_tune=auto_tune,
+    ).with_options(credit_bytes=_NO_CREDIT)
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()
@@ -169,7 +182,7 @@ def ScheduledOptimizer(
         # Every rank partitions by itself here: all must see rank 0's measurement.
         return float(hvd.broadcast_object(seconds, root_rank=0, name=f"{backend.name}.tune"))
 
-    scheduler = Scheduler(backend, channel=None, rank=hvd.rank(), config=config, tuning_agree=agree)
+    scheduler = Scheduler(backend, channel=None, rank=hvd.rank(), config=config, tuning_agree=agree, tune_credit=False)
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
