@@ -124,7 +124,8 @@ def markdown(summary: dict, header: str) -> str:
         f"({summary['gradient_bytes'] / 2**20:.1f} MiB of gradients, link measured at "
         f"{links[0]}{others}); floor = max = {floors['floor_s']:.3f} s.",
     ]
-    settings = [f"{entry['label']} {stats['partition_bytes'] / 2**20:g}/{stats['credit_bytes'] / 2**20:g} MiB"
+    settings = [f"{entry['label']} {stats['partition_bytes'] / 2**20:g}/"
+                + (f"{stats['credit_bytes'] / 2**20:g} MiB" if stats["credit_bytes"] < 2**50 else "no credit")
                 for entry in summary["systems"].values()
                 for stats in [entry.get("scheduler") or {}] if "partition_bytes" in stats]
     if settings:
