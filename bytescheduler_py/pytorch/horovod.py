@@ -20,9 +20,11 @@ comes from the cross-iteration overlap (the next forward waits only for its own 
 """
 
 import itertools
+import os
 import queue
 import threading
 import time
+import warnings
 from typing import Any, List, Optional, Tuple
 
 import horovod.torch as hvd
@@ -169,6 +171,9 @@ def ScheduledOptimizer(
         )
     if hasattr(optimizer, "_bytescheduler"):
         raise TypeError("this optimizer is already wrapped by bytescheduler")
+    if os.environ.get("BYTESCHEDULER_CREDIT"):
+        warnings.warn("BYTESCHEDULER_CREDIT is ignored under Horovod: a credit would deadlock when ranks "
+                      "pick different pieces (see bytescheduler.pytorch.horovod)", stacklevel=2)
     init()
     base, passes = _unwrap(optimizer)
     config = SchedulerConfig.resolve(
