@@ -852,7 +852,12 @@ def _prompt_free(rank, world_size):
                 grads = [weakref.ref(p.grad) for p in ours.parameters()]
                 optimizer.step()
                 optimizer.synchronize()
-                optimizer.zero_grad()  # set_to_none: nothing should hold the old gradients now
+                optimizer.zero_grad()  # set_to_none: nothing of ours holds the old gradients now
+                # gloo may drop its finished work objects (which hold the tensors) a moment later;
+                # a reference cycle, with the collector disabled, would never let go.
+                deadline = time.monotonic() + 2.0
+                while any(ref() is not None for ref in grads) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 leaked.append(sum(1 for ref in grads if ref() is not None))
     finally:
         gc.enable()
