@@ -855,3 +855,29 @@ def test_flush_default_timeout_is_the_configured_one(cleanup):
         s.flush()
     assert 0.9 <= time.monotonic() - start < 3.0
     s.stop(wait=False)
+
+
+def test_payload_is_released_when_the_task_is_done_without_the_garbage_collector(cleanup):
+    # Task and future refer to each other; the payload (a gradient) must not wait for a
+    # collection to be freed, or every backward allocates fresh memory.
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    backend = cleanup.backend("immediate")
+    s = cleanup.scheduler(backend, partition_bytes=8)
+    gc.disable()
+    try:
+        payload = Payload()
+        alive = weakref.ref(payload)
+        task = Task(key=0, numel=20, itemsize=1, priority=0, payload=payload)
+        seen = []
+        task.future.add_done_callback(lambda done: seen.append(done.result().payload is not None))
+        del payload
+        s.submit(task).result(timeout=WAIT)
+        assert seen == [True], "callbacks still see the payload"
+        assert task.payload is None and alive() is None
+    finally:
+        gc.enable()

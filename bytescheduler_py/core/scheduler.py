@@ -518,6 +518,11 @@ class Scheduler:
             self._record(op, finished, now)
         for task in finished:
             task.future.set_result(task)
+            # A task and its future refer to each other (the result is the task), a cycle
+            # only the garbage collector frees, at random times. Let go of the payload (a
+            # gradient, an adapter's job) once the callbacks have run, so its memory is
+            # reused at once instead of being faulted in afresh by the next backward.
+            task.payload = None
 
     def _record(self, op: Operation, finished: List[Task], now: float) -> None:
         timeline = self._timeline

@@ -124,7 +124,7 @@ class Task:
         self.numel = int(numel)
         self.itemsize = int(itemsize)
         self.priority = priority
-        self.payload = payload
+        self.payload = payload  # released (None) once the task is communicated
         self.fuse_key = fuse_key
         self.future = TaskFuture()
         self.remaining = self.numel

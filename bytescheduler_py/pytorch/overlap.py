@@ -322,11 +322,7 @@ class OverlapEngine:
             if error is not None:
                 self._fail_locked(error)
                 return
-            # The task and its future refer to each other: a cycle that only the garbage
-            # collector frees, at random times. Let go of the gradient now, so its memory
-            # is reused by the next backward instead of being faulted in afresh.
-            state.task.payload = None
-            state.task = None
+            state.task = None  # done with it (the scheduler has released its payload)
             if state.discard:
                 self._set_stage(state, IDLE)
             else:
