@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from .log import logger
 
@@ -97,7 +97,6 @@ class AutoTuner:
         self._moves: List[Tuple[str, int]] = [("partition", 1), ("partition", -1)]
         if tune_credit:
             self._moves += [("credit", 1), ("credit", -1)]
-        self._tried: Dict[Tuple[int, int], float] = {}
         self.trial: Tuple[int, int] = (partition_bytes, max(credit_bytes, 1))
         self._last: Optional[float] = None
         self._samples: List[float] = []
@@ -137,7 +136,6 @@ class AutoTuner:
         partition, credit = self.trial
         trial = Trial(partition, credit, seconds)
         self.history.append(trial)
-        self._tried[self.trial] = seconds
         improved = self.best is None or seconds < self.best.seconds_per_step * (1.0 - self._threshold)
         logger.info("auto-tune trial %d: %s%s", len(self.history), trial, " (best so far)" if improved else "")
         if improved:
@@ -164,7 +162,8 @@ class AutoTuner:
             if not 1 <= multiple <= self._max_multiple:
                 return None
         candidate = (partition, partition * multiple if self._tune_credit else credit)
-        return None if candidate in self._tried else candidate
+        tried = {(t.partition_bytes, t.credit_bytes) for t in self.history}
+        return None if candidate in tried else candidate
 
     def _next_trial(self) -> None:
         while self._moves:
