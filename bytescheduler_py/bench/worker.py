@@ -152,8 +152,7 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
             import bytescheduler.pytorch.horovod as bsc
 
             num_steps = args.warmup + args.rounds * args.iters  # the original API's argument (ignored)
-            optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps, timeline=timeline,
-                                               **{k: v for k, v in options.items() if k != "credit_bytes"})
+            optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps, timeline=timeline, **options)
             systems[name] = Scheduled(name, model, optimizer, make_batch, **common)
         else:
             raise ValueError(f"unknown system {name!r}")

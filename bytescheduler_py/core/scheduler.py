@@ -236,6 +236,11 @@ class Scheduler:
             self._cond.notify_all()
 
     @property
+    def abandoned(self) -> bool:
+        """True once queued work was given up (``stop(wait=False)`` or a failure)."""
+        return self._abandon.is_set()
+
+    @property
     def in_flight_bytes(self) -> int:
         return self._credit.in_flight
 

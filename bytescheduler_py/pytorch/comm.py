@@ -33,7 +33,29 @@ from ..core.task import Operation
 
 # int64 words per control frame: [length, more, payload...]. 8 KiB per broadcast.
 _FRAME_WORDS = 1024
-_PAYLOAD_WORDS = _FRAME_WORDS - 2
+
+
+def to_frames(message: Sequence[int], words: int = _FRAME_WORDS) -> List[torch.Tensor]:
+    """Cut an ordering message into int64 frames of ``words`` words: [length, more, payload...]."""
+    payload = words - 2
+    frames = []
+    for at in range(0, max(len(message), 1), payload):
+        chunk = message[at : at + payload]
+        frame = torch.zeros(words, dtype=torch.int64)
+        frame[0] = len(chunk)
+        frame[1] = 1 if at + payload < len(message) else 0
+        frame[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+        frames.append(frame)
+    return frames
+
+
+def read_frame(frame: torch.Tensor, message: List[int]) -> bool:
+    """Append a received frame's payload to ``message``; True when more frames follow."""
+    length, more = int(frame[0]), int(frame[1])
+    if not 0 <= length <= frame.numel() - 2:
+        raise MismatchError(f"corrupt ordering frame (length {length})")
+    message.extend(frame[2 : 2 + length].tolist())
+    return bool(more)
 
 
 def _view(piece) -> torch.Tensor:
@@ -182,12 +204,7 @@ class TorchCommunicator:
         while self._sent and self._sent[0][0].done():
             future, _ = self._sent.popleft()
             future.wait()  # raises if the broadcast failed
-        for at in range(0, max(len(message), 1), _PAYLOAD_WORDS):
-            chunk = message[at : at + _PAYLOAD_WORDS]
-            frame = torch.zeros(_FRAME_WORDS, dtype=torch.int64)
-            frame[0] = len(chunk)
-            frame[1] = 1 if at + _PAYLOAD_WORDS < len(message) else 0
-            frame[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+        for frame in to_frames(message):
             work = dist.broadcast(frame, src=self._leader_rank, group=self._control, async_op=True)
             self._sent.append((work.get_future(), frame))
 
@@ -208,11 +225,7 @@ class TorchCommunicator:
                     self.broken = True
                     return None
             future.wait()  # raises if the leader is gone or the group timed out
-            length, more = int(frame[0]), int(frame[1])
-            if not 0 <= length <= _PAYLOAD_WORDS:
-                raise MismatchError(f"corrupt ordering frame (length {length})")
-            message.extend(frame[2 : 2 + length].tolist())
-            if not more:
+            if not read_frame(frame, message):
                 return message
 
     # ------------------------------------------------------------------ backend

@@ -7,41 +7,42 @@
 >>> optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps)               # doctest: +SKIP
 
 Horovod moves the bytes (``allreduce_async_`` on each piece); bytescheduler decides which
-pieces go when (priority, partition) and applies each parameter's update as soon
-as its gradient is averaged. Horovod's coordinator already agrees on an order across
-ranks, so no order channel is needed; merging is left to Horovod's tensor fusion (our
-own merging would give different operations on different ranks).
+pieces go when (priority, partition, credit) and applies each parameter's update as soon
+as its gradient is averaged. Merging is left to Horovod's tensor fusion.
 
-No credit either: with every rank choosing by itself which pieces to hand to Horovod, a
-credit deadlocks as soon as two ranks fill it with different pieces (each waits in
-Horovod for the other to submit its own). Every ready piece is handed over at once, in
-priority order, and Horovod's coordinator runs them as all ranks have them; the speed
-comes from the cross-iteration overlap (the next forward waits only for its own layers).
+Rank 0 decides, the other ranks follow: its decisions reach them by small Horovod
+broadcasts (:class:`HorovodOrderChannel`), and every rank hands exactly those pieces to
+Horovod. Each rank choosing for itself would deadlock under a credit: gradients become
+ready at slightly different moments on each rank, two ranks fill their credits with
+different pieces, and each waits inside Horovod for the other to submit its own.
 """
 
 import itertools
-import os
 import queue
 import threading
 import time
-import warnings
-from typing import Any, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
 
 from ..core import Scheduler, SchedulerConfig
 from ..core.config import Size
+from ..core.errors import CommunicationTimeout
 from ..core.scheduler import Done
 from ..core.task import Operation
+from .comm import read_frame, to_frames
 from .optimizer import wrap_optimizer
 from .overlap import OverlapEngine
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.
 _NEVER = 1 << 62
-# Bytes in flight under Horovod: unlimited (see the module docstring).
-_NO_CREDIT = 1 << 62
+# int64 words per ordering broadcast (a decision of one piece takes 6 words).
+_ORDER_WORDS = 128
+# Ordering broadcasts reuse this many names, so that Horovod's response cache knows them.
+_ORDER_NAMES = 256
 # Creating a ScheduledOptimizer is collective, so backends are numbered alike on every rank:
 # the number keeps the Horovod tensor names of two optimizers (e.g. a GAN's) apart.
 _backend_ids = itertools.count()
@@ -111,6 +112,82 @@ class HorovodBackend:
         self._thread.join(timeout=10)
 
 
+def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str) -> bool:
+    """Wait for a Horovod handle, polling with a growing pause; False if ``cancel`` was set.
+
+    Raises Horovod's error if the operation failed (e.g. a peer died), or
+    :class:`CommunicationTimeout` after ``timeout`` seconds.
+    """
+    pause = 1e-5
+    deadline = time.monotonic() + timeout
+    while not hvd.poll(handle):
+        if cancel is not None and cancel.is_set():
+            return False
+        if time.monotonic() > deadline:
+            raise CommunicationTimeout(
+                f"rank {hvd.rank()}: {what} did not finish within {timeout} s; a peer may have died or "
+                "stopped training (set BYTESCHEDULER_TIMEOUT to change the limit)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 5e-4)
+    hvd.synchronize(handle)
+    return True
+
+
+class HorovodOrderChannel:
+    """:class:`~bytescheduler.core.ordering.OrderChannel` over Horovod broadcasts from rank 0.
+
+    Each message goes as one or more int64 frames, broadcast under rotating names
+    ``{prefix}.{n}`` that every rank counts alike.
+    """
+
+    def __init__(self, prefix: str, timeout: float) -> None:
+        self._prefix = prefix
+        self._timeout = timeout
+        self._sequence = 0
+        self._sent: Deque[Tuple[int, torch.Tensor]] = deque()  # leader: broadcasts not yet finished
+        self._buffer = torch.zeros(_ORDER_WORDS, dtype=torch.int64)
+        self._epochs = itertools.count()
+
+    @property
+    def is_leader(self) -> bool:
+        return hvd.rank() == 0
+
+    def new_epoch(self) -> int:
+        return next(self._epochs)
+
+    def _name(self) -> str:
+        name = f"{self._prefix}.{self._sequence % _ORDER_NAMES}"
+        self._sequence += 1
+        return name
+
+    def publish(self, message: Sequence[int]) -> None:
+        """Broadcast ``message`` (leader only); returns without waiting for the followers."""
+        while self._sent and hvd.poll(self._sent[0][0]):
+            hvd.synchronize(self._sent.popleft()[0])  # raises if the broadcast failed
+        for frame in to_frames(message, _ORDER_WORDS):
+            if len(self._sent) >= _ORDER_NAMES:  # its name is about to be reused
+                _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
+            self._sent.append((hvd.broadcast_async_(frame, root_rank=0, name=self._name()), frame))
+
+    def receive(self, cancel: threading.Event) -> Optional[List[int]]:
+        """Receive rank 0's next message (followers only); None once ``cancel`` is set."""
+        message: List[int] = []
+        while True:
+            frame = self._buffer
+            handle = hvd.broadcast_async_(frame, root_rank=0, name=self._name())
+            # No deadline here: the scheduler fails a follower whose tensors wait too long.
+            if not _wait_for(handle, cancel, float("inf"), "receiving rank 0's order"):
+                return None
+            if not read_frame(frame, message):
+                return message
+
+    def close(self) -> None:
+        """Wait for the leader's last broadcasts (after a clean stop, every follower takes them)."""
+        while self._sent:
+            _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
+
+
 def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
     """The user's optimizer class under Horovod's dynamic subclass, and its accumulation count."""
     if hasattr(optimizer, "_allreduce_delay") and hasattr(optimizer, "_allreduce_grad_async"):
@@ -154,46 +231,40 @@ def ScheduledOptimizer(
             ``backward_passes_per_step`` are kept) or a plain torch optimizer.
         num_steps: accepted for the original API and ignored: nothing needs to know when
             training ends (call ``close()``).
-        partition_bytes, timeout, timeline, auto_tune: see
-            :class:`bytescheduler.core.SchedulerConfig`. ``credit_bytes`` is refused (see
-            the module docstring: it would deadlock). With ``auto_tune`` every rank
-            uses rank 0's step times, so all ranks switch to the same sizes at the same step.
+        partition_bytes, credit_bytes, timeout, timeline, auto_tune: see
+            :class:`bytescheduler.core.SchedulerConfig` (rank 0's settings decide).
         backward_passes_per_step: defaults to the Horovod optimizer's.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
 
     Returns an instance of the user's optimizer class.
     """
     del num_steps
-    if credit_bytes is not None:
-        raise ValueError(
-            "credit_bytes cannot be used with Horovod: each rank picks its own pieces, and a credit "
-            "deadlocks when two ranks fill it with different ones; leave it unset (partition_bytes works)"
-        )
     if hasattr(optimizer, "_bytescheduler"):
         raise TypeError("this optimizer is already wrapped by bytescheduler")
-    if os.environ.get("BYTESCHEDULER_CREDIT"):
-        warnings.warn("BYTESCHEDULER_CREDIT is ignored under Horovod: a credit would deadlock when ranks "
-                      "pick different pieces (see bytescheduler.pytorch.horovod)", stacklevel=2)
     init()
     base, passes = _unwrap(optimizer)
     config = SchedulerConfig.resolve(
-        partition_bytes=partition_bytes, timeout=timeout, timeline=timeline, merge=False, auto_tune=auto_tune,
-    ).with_options(credit_bytes=_NO_CREDIT)
+        partition_bytes=partition_bytes, credit_bytes=credit_bytes, timeout=timeout, timeline=timeline,
+        merge=False, auto_tune=auto_tune,
+    )
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()
+    channel = HorovodOrderChannel(f"{backend.name}.order", config.timeout) if hvd.size() > 1 else None
+    scheduler = Scheduler(backend, channel=channel, rank=hvd.rank(), config=config)
 
-    def agree(seconds: float) -> float:
-        # Every rank partitions by itself here: all must see rank 0's measurement.
-        return float(hvd.broadcast_object(seconds, root_rank=0, name=f"{backend.name}.tune"))
-
-    scheduler = Scheduler(backend, channel=None, rank=hvd.rank(), config=config, tuning_agree=agree, tune_credit=False)
+    def close() -> None:
+        try:
+            if channel is not None and not scheduler.abandoned:
+                channel.close()
+        finally:
+            backend.close()
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
             model, optimizer, base, scheduler, hvd.size(), prescale=False,
             backward_passes_per_step=backward_passes_per_step or passes, timeout=config.timeout,
-            on_close=backend.close,
+            on_close=close,
         )
 
     try:
