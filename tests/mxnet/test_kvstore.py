@@ -149,7 +149,8 @@ def test_bad_inputs_give_clear_errors():
     assert len(re.findall(r"DONE rank=\d", text)) == 2, text
     for words in ("unknown kvstore type 'bogus'", "was not initialised", "cannot mix int and str keys",
                   "has shape (4,) but the key was initialised with shape (40,)", "per-tensor norms",
-                  "below the server grain", "already a ScheduledKVStore", "larger than partition_bytes"):
+                  "below the server grain", "already a ScheduledKVStore", "larger than partition_bytes",
+                  "credit_bytes cannot be used with a parameter server"):
         assert words in text, (words, text)
 
 
@@ -161,6 +162,41 @@ def test_stalled_peer_raises_within_timeout():
     assert match, text
     assert match.group(1) == "CommunicationTimeout", text
     assert float(match.group(2)) < 5.0 + 3.0, text
+
+
+# --- a push waits for its array, not for the call ------------------------------------------------
+def _task_spans(path):
+    """{task name: (start, end)} in wall-clock seconds from a scheduler timeline."""
+    import json
+
+    begins, spans = {}, {}
+    for event in json.loads(Path(path).read_text()):
+        if event.get("cat") != "task":
+            continue
+        if event["ph"] == "b":
+            begins[event["id"]] = event
+        elif event["ph"] == "e":
+            begin = begins.pop(event["id"])
+            spans[begin["name"]] = (begin["ts"] / 1e6, event["ts"] / 1e6)
+    return spans
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_push_enters_the_scheduler_when_its_array_is_computed(tmp_path):
+    """gluon calls pushpull for every key before the backward pass has computed the gradients.
+    A key whose array is still being computed must not enter the scheduler (and take its place in
+    the order) before the array exists; a ready key must not wait for it to enter."""
+    status, text = run_job("kv_ready.py", tmp_path)
+    assert status == 0, text
+    lines = dict(re.findall(r"READY rank=(\d) (.*)", text))
+    assert sorted(lines) == ["0", "1"], text
+    for rank, line in lines.items():
+        times = {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line)}
+        assert times["computed"] - times["called"] > 0.1, f"the slow array was not slow: {times}"
+        spans = _task_spans(tmp_path / f"ready.rank{rank}.json")
+        slow_entered = spans["key0"][0]
+        assert slow_entered >= times["computed"] - 0.01, (rank, slow_entered - times["computed"], text)
+        assert spans["key1"][0] < times["called"] + 0.05, ("the ready key waited for the slow one", rank, spans, times)
 
 
 # --- (e) a worker dies in the middle of training: what `bytescheduler mxnet-launch` shows --------
