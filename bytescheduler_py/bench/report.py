@@ -157,13 +157,15 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
         json.dump(summary, handle, indent=1)
     with open(os.path.join(out_dir, "results.md"), "w") as handle:
         handle.write(table + "\n")
+    compute_events = [event for r in results for event in r["compute_events"]]
+    with open(os.path.join(trace_dir, "compute.json"), "w") as handle:  # beside the schedulers' traces
+        json.dump(compute_events, handle)
     try:
         from . import charts
     except ImportError as error:  # matplotlib is optional (the [bench] extra)
         table += f"\n\n(no charts: {error}; install bytescheduler[bench])"
         return table
     charts.bar_chart(summary, os.path.join(out_dir, "speed.png"))
-    compute_events = [event for r in results for event in r["compute_events"]]
     for name in summary["systems"]:
         traces = _load_traces(trace_dir, name)
         path = os.path.join(out_dir, f"timeline-{name}.png")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -376,6 +377,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 command = " ".join(["bytescheduler", "bench", *(argv if argv is not None else sys.argv[1:])])
                 table = report(merge(jobs), args, testbed.description, args.trace_dir, args.out, command=command,
                                left_out=left_out)
+                # The Chrome traces behind the timeline pictures (open them in chrome://tracing or Perfetto).
+                shutil.copytree(args.trace_dir, os.path.join(args.out, "traces"), dirs_exist_ok=True)
     except KeyboardInterrupt:
         print("\nbench: interrupted; every process stopped, the testbed torn down", file=sys.stderr)
         return 130
