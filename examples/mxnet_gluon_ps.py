@@ -7,8 +7,8 @@ Each worker trains the same small CNN (two convolutions, two dense layers, 4.3 M
 parameters) on its own random images with server-side SGD (``update_on_kvstore=True``).
 With bytescheduler the ``dist_sync`` store is wrapped in a ``ScheduledKVStore``: every
 gradient is a task of the scheduler as soon as it is computed, the large dense layer goes in
-pieces of ``--partition`` bytes, the first layers go first, and each block's next forward
-waits only for its own parameters (``kv.overlap``).
+pieces of ``--partition`` bytes under a credit of ``--credit`` bytes, the first layers go
+first, and each block's next forward waits only for its own parameters (``kv.overlap``).
 
 Prints the median time per iteration (from the moment one step's loss is ready to the next
 one's, so communication still overlaps the next forward) and, at the end, a checksum of the
@@ -51,13 +51,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="iterations before timing")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--partition", default=None, help="partition size, e.g. 512KiB (default 4MiB)")
+    parser.add_argument("--credit", default=None, help="credit size, e.g. 2MiB (default 16MiB)")
     parser.add_argument("--no-bytescheduler", action="store_true", help="the plain dist_sync store")
     args = parser.parse_args()
 
     kv = mx.kv.create("dist_sync")
     if not args.no_bytescheduler:
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
-        kv = ScheduledKVStore(kv, partition_bytes=args.partition)
+        kv = ScheduledKVStore(kv, partition_bytes=args.partition, credit_bytes=args.credit)
     mx.random.seed(0)
     net = build_net()
     net.initialize(mx.init.Xavier())

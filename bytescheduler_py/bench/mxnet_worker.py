@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             os.environ["BYTESCHEDULER_TIMELINE"] = os.path.join(args.trace_dir, f"{name}.json")
         else:
             os.environ.pop("BYTESCHEDULER_TIMELINE", None)
-        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition)  # no credit on a parameter server
+        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, credit_bytes=args.credit)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank

@@ -3,7 +3,7 @@
     import mxnet as mx
     from bytescheduler.mxnet.kvstore import ScheduledKVStore
 
-    kv = ScheduledKVStore("dist_sync", partition_bytes="4MB", timeout=300)
+    kv = ScheduledKVStore("dist_sync", partition_bytes="4MB", credit_bytes="16MB", timeout=300)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {...}, kvstore=kv, update_on_kvstore=True)
     kv.overlap(net)                  # optional: the next forward starts before every pull is queued
     ... train ...
@@ -14,16 +14,18 @@
 On a ``dist_*`` store every ``pushpull``, ``push`` and ``pull`` becomes a
 :class:`~bytescheduler.core.task.Task` of the core :class:`~bytescheduler.core.scheduler.Scheduler`:
 priority ``-priority`` (MXNet: higher goes sooner; the Trainer passes ``-i``, so the first layers
-go first) and cut into pieces of about ``partition_bytes``. A push enters the scheduler when its
-arrays are computed (see ``_run_ready``), so communication overlaps the backward pass.
+go first), cut into pieces of about ``partition_bytes`` and admitted under ``credit_bytes``. A
+push enters the scheduler when its arrays are computed (see ``_run_ready``), so communication
+overlaps the backward pass.
 ``local`` and ``device`` stores are passed straight through.
 
-No credit. Pushes enter the scheduler as their gradients are computed, at slightly different
-moments on each worker, and a parameter server has no channel to make every worker follow one
-order. Under a credit two workers could fill it with different pieces, and each piece waits on
-the servers for the other worker's push of it: a deadlock. So every ready piece is handed to
-MXNet at once, in priority order (MXNet's engine keeps the priority), and ``credit_bytes`` is
-refused.
+One order on every worker. Pushes enter the scheduler as their gradients are computed, at
+slightly different moments on each worker. Were every worker to pick its own pieces under the
+credit, two workers could fill it with different pieces, each waiting on the servers for the
+other's push of it: a deadlock. So rank 0 decides, as in the torch adapters: its decisions go to
+the other workers over a TCP connection (:class:`~bytescheduler.core.tcp_channel.TcpOrderChannel`),
+set up at the first ``init`` or ``broadcast`` (rank 0's address travels through the store, under
+a reserved key), and every worker issues exactly those pieces in that order.
 
 Server grain. A key larger than ``grain_bytes`` lives on the servers as *sub-keys* of at most
 ``grain_bytes`` each (ints ``SUBKEY_BASE + n`` for int keys, ``"<key>#bs<j>"`` for str keys),
@@ -71,7 +73,6 @@ import logging
 import os
 import queue
 import threading
-import warnings
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -84,6 +85,7 @@ from ..core.config import SchedulerConfig, Size, parse_size
 from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationTimeout
 from ..core.partition import partition_ranges
 from ..core.scheduler import Scheduler
+from ..core.tcp_channel import TcpOrderChannel, local_address
 from ..core.task import Operation, Task
 
 __all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES"]
@@ -94,9 +96,10 @@ log = logging.getLogger("bytescheduler.mxnet")
 # ``key * 9973`` in a 32-bit int, so keys must stay below about 215,000.
 SUBKEY_BASE = 100_000
 _MAX_INT_KEY = (2**31 - 1) // 9973
+# Reserved keys that carry rank 0's ordering address (int or str, as the user's keys).
+_ORDER_KEY_INT = _MAX_INT_KEY
+_ORDER_KEY_STR = "__bytescheduler_order__"
 
-# Bytes in flight on a parameter server: unlimited (see the module docstring).
-_NO_CREDIT = 1 << 62
 # How long the ready thread gathers a burst of pushes before choosing which to wait for first.
 _BURST_SECONDS = 0.001
 
@@ -255,9 +258,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
 
     Args:
         store: an ``mx.kv.KVStore`` or a store type string such as ``"dist_sync"``.
-        partition_bytes, timeout: scheduler options (None: environment or default, see
-            :class:`~bytescheduler.core.config.SchedulerConfig`).
-        credit_bytes: refused (see the module docstring); kept so that passing it gets a clear error.
+        partition_bytes, credit_bytes, timeout: scheduler options (None: environment or
+            default, see :class:`~bytescheduler.core.config.SchedulerConfig`); rank 0's count.
         grain_bytes: size of the sub-keys large keys are split into on the servers, and the
             smallest partition size allowed during the run (default ``partition_bytes``).
     """
@@ -275,16 +277,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             raise TypeError("the store is already a ScheduledKVStore")
         elif not isinstance(store, mx.kvstore.KVStoreBase):
             raise TypeError(f"store must be an MXNet KVStore or a type string, not {type(store).__name__}")
-        if credit_bytes is not None:
-            raise ValueError(
-                "credit_bytes cannot be used with a parameter server: pushes enter the scheduler as "
-                "gradients are computed, in a different order on each worker, and a credit deadlocks when "
-                "two workers fill it with different pieces; leave it unset (partition_bytes works)")
-        if os.environ.get("BYTESCHEDULER_CREDIT"):
-            warnings.warn("BYTESCHEDULER_CREDIT is ignored by ScheduledKVStore: a credit could deadlock on a "
-                          "parameter server (see bytescheduler.mxnet.kvstore)", stacklevel=2)
-        config = SchedulerConfig.resolve(partition_bytes=partition_bytes, timeout=timeout,
-                                         merge=False).with_options(credit_bytes=_NO_CREDIT)
+        config = SchedulerConfig.resolve(partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                         timeout=timeout, merge=False)
         if grain_bytes is None:
             grain = config.partition_bytes
         else:
@@ -328,7 +322,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._ready_thread = threading.Thread(target=self._run_ready, name=f"bytescheduler-ready-r{self._rank}",
                                               daemon=True)
         self._ready_thread.start()
-        self._scheduler = Scheduler(self, rank=self._rank, config=self._config)
+        self._channel = TcpOrderChannel(self._rank, config.timeout) if self._num_workers > 1 else None
+        self._scheduler = Scheduler(self, channel=self._channel, rank=self._rank, config=self._config)
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
 
@@ -523,7 +518,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             return [key]
         if isinstance(key, str):
             return [f"{key}#bs{j}" for j in range(count)]
-        if self._next_subkey + count - 1 > _MAX_INT_KEY:
+        if self._next_subkey + count - 1 >= _ORDER_KEY_INT:
             raise ValueError(f"too many server sub-keys (int keys must stay below {_MAX_INT_KEY}); "
                              "raise grain_bytes")
         first, self._next_subkey = self._next_subkey, self._next_subkey + count
@@ -537,12 +532,41 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             arrays.extend([_flat(value, start, stop)] for start, stop in info.grains)
         self._inner.init(*_mx_args(keys, arrays))
 
+    def _connect_channel(self) -> None:
+        """Connect every worker to rank 0's ordering channel (collective: the first init/broadcast).
+
+        Rank 0's address goes through the store itself, under a reserved key of the user's key
+        type (MXNet cannot mix int and str keys).
+        """
+        channel = self._channel
+        if channel is None or channel.connected:
+            return
+        key = _ORDER_KEY_STR if self._key_kind is str else _ORDER_KEY_INT
+        words = [0] * 5
+        if self._rank == 0:
+            port = channel.serve(self._num_workers)
+            host = local_address(os.environ.get("DMLC_PS_ROOT_URI"))
+            words = [int(part) for part in host.split(".")] + [port]
+
+        def exchange() -> List[int]:
+            self._inner.init(key, mx.nd.array(words, dtype="float32"))
+            found = mx.nd.zeros((5,), dtype="float32")
+            self._inner.pull(key, out=found)
+            return [int(x) for x in found.asnumpy()]
+
+        found = self._call(exchange, "exchanging rank 0's ordering address")
+        if self._rank == 0:
+            channel.accept()
+        else:
+            channel.join((".".join(str(x) for x in found[:4]), found[4]))
+
     def init(self, key, value) -> None:
         if not self._scheduled:
             return self._inner.init(key, value)
         self._check_open()
         pairs = [(k, _as_list(v)[0]) for k, v in self._pairs(key, value)]
         infos = self._register(pairs)
+        self._connect_channel()
         self._call(lambda: self._init_on_kv(infos, [v for _, v in pairs]), f"init({key!r})")
         self._maybe_resend_optimizer()
 
@@ -555,6 +579,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         for (k, v), o in zip(pairs, outs):
             self._check_arrays(k, o, v.shape, v.dtype, "out")
         infos = self._register(pairs)
+        self._connect_channel()
         self._call(lambda: self._init_on_kv(infos, [v for _, v in pairs]), f"broadcast({key!r})")
         self._maybe_resend_optimizer()
         # The pull is an operation of the key: the key's first push waits until it completed.
@@ -909,6 +934,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             except BaseException as exc:  # noqa: BLE001
                 error = error or exc
         finally:
+            if self._channel is not None:
+                self._channel.close()
             self._ready.put(None)
             self._waits.put(None)
             joined = self._kv.close(5.0 if error is None else 1.0)

@@ -21,7 +21,7 @@ TIMEOUT = 200
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_example_prints_the_same_checksum_with_and_without_bytescheduler(marker):
     checksums = {}
-    for label, options in (("bytescheduler", ["--partition", "256KiB"]),
+    for label, options in (("bytescheduler", ["--partition", "256KiB", "--credit", "1MiB"]),
                            ("plain dist_sync", ["--no-bytescheduler"])):
         done = subprocess.run(
             [str(CONSOLE), "mxnet-launch", "-n", "2", "-s", "2", "--deadline", "150", "--",

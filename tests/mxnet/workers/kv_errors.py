@@ -21,8 +21,6 @@ def main() -> None:
     expect(TypeError, "store must be", ScheduledKVStore, 3)
     expect(ValueError, "larger than partition_bytes", ScheduledKVStore, "dist_sync", partition_bytes=64,
            grain_bytes=128)
-    expect(ValueError, "credit_bytes cannot be used with a parameter server", ScheduledKVStore, "dist_sync",
-           credit_bytes="1MiB")
     kv = ScheduledKVStore("dist_sync", partition_bytes=64, timeout=30)
     expect(TypeError, "already a ScheduledKVStore", ScheduledKVStore, kv)
     expect(KeyError, "was not initialised", kv.pull, 5, out=mx.nd.zeros((4,)))

@@ -12,7 +12,7 @@ then a pushpull in place (out=None), as gluon's Trainer does without update_on_k
 
 Wrapped: grain 4096 B, so key 2 (30,000 float32) lives on the servers as 30 sub-keys; the
 partition size changes every round (ROUND_PARTITIONS). Every piece goes through the scheduler:
-the worker checks the scheduler's piece count. Saves
+the worker checks the scheduler's piece count and that rank 0's credit held. Saves
 OUTDIR/MODE-rank{R}.npz and checks every sum exactly.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from bytescheduler.mxnet.launch import run_worker
 
 SHAPES = {0: (7,), 1: (3, 50), 2: (300, 100)}
-GRAIN = 4096
+GRAIN, CREDIT = 4096, 16384
 ROUND_PARTITIONS = [8192, 8192, 16384, 4096]  # the last one also for the in-place pushpull
 OPS_PER_ROUND = [2, 1, 2, 2]  # push + pull, pushpull, push + pull, push + pull
 
@@ -49,7 +49,8 @@ def main(mode: str, outdir: str) -> None:
     wrapped = mode == "wrapped"
     if wrapped:
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
-        kv = ScheduledKVStore("dist_sync", partition_bytes=ROUND_PARTITIONS[0], grain_bytes=GRAIN, timeout=60)
+        kv = ScheduledKVStore("dist_sync", partition_bytes=ROUND_PARTITIONS[0], grain_bytes=GRAIN,
+                              credit_bytes=CREDIT, timeout=60)
         assert kv.scheduler is not None and kv.type == "dist_sync"
     else:
         kv = mx.kv.create("dist_sync")
@@ -101,6 +102,8 @@ def main(mode: str, outdir: str) -> None:
         kv.synchronize()
         stats = kv.scheduler.stats
         assert stats["pieces"] == expected_pieces(), (stats, expected_pieces())
+        if rank == 0:  # rank 0 decides under the credit; the others replay its decisions
+            assert stats["peak_in_flight_bytes"] <= CREDIT, stats
         print(f"STATS rank={rank} {stats}")
         kv.close()
         kv.close()  # idempotent

@@ -75,7 +75,8 @@ def worker(args) -> None:
     net = build_net(args.hybrid)
     if args.mode == "wrapped":
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
-        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, grain_bytes=args.grain, timeout=60)
+        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, grain_bytes=args.grain,
+                              credit_bytes=4096, timeout=60)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank

@@ -1,0 +1,196 @@
+"""An order channel over plain TCP, for backends that have no broadcast of their own.
+
+A parameter server offers push and pull but no way for one worker to tell the others
+something. Rank 0 listens on a TCP port; every other rank connects to it once, and rank 0
+sends each message (a list of int64, see :mod:`bytescheduler.core.ordering`) to every
+follower as ``[count: int64][count x int64]``, little-endian. How the followers learn rank
+0's address is up to the adapter (``ScheduledKVStore`` passes it through the store itself).
+
+>>> leader = TcpOrderChannel.listen(world_size=1, timeout=5.0)
+>>> leader.is_leader, leader.connected
+(True, True)
+>>> leader.close()
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from .errors import CommunicationError, CommunicationTimeout
+from .ordering import STOP, encode_stop
+
+_COUNT = struct.Struct("<q")
+
+
+def local_address(peer_host: Optional[str] = None) -> str:
+    """This host's IPv4 address as the other ranks see it.
+
+    ``DMLC_NODE_HOST`` when set (ps-lite's own override); otherwise the source address of
+    the route to ``peer_host`` (e.g. the parameter server's scheduler), found without
+    sending anything; 127.0.0.1 when there is no peer to route to.
+    """
+    host = os.environ.get("DMLC_NODE_HOST")
+    if host:
+        return socket.gethostbyname(host)
+    if not peer_host:
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((socket.gethostbyname(peer_host), 9))  # UDP: no packet is sent
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def _read_exact(sock: socket.socket, size: int, cancel: Optional[threading.Event]) -> Optional[bytes]:
+    """Read ``size`` bytes; None as soon as ``cancel`` is set."""
+    chunks, got = [], 0
+    while got < size:
+        if cancel is not None:
+            ready, _, _ = select.select([sock], [], [], 0.1)
+            if cancel.is_set():
+                return None
+            if not ready:
+                continue
+        chunk = sock.recv(size - got)
+        if not chunk:
+            raise CommunicationError("rank 0 closed the ordering connection; has it died or stopped training?")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class TcpOrderChannel:
+    """:class:`~bytescheduler.core.ordering.OrderChannel` over TCP from rank 0 to the others.
+
+    Create every rank's end with ``TcpOrderChannel(rank, timeout)`` (it can be handed to a
+    scheduler at once); rank 0 then calls :meth:`serve` and :meth:`accept`, the others
+    :meth:`join` with rank 0's address, before anything is scheduled.
+    """
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self.timeout = timeout
+        self._listener: Optional[socket.socket] = None
+        self._followers: List[socket.socket] = []
+        self._leader: Optional[socket.socket] = None
+        self._expected = 0
+        self._epochs = 0
+        self.connected = False
+
+    # ------------------------------------------------------------------ set-up
+
+    @classmethod
+    def listen(cls, world_size: int, timeout: float, host: str = "0.0.0.0") -> "TcpOrderChannel":
+        """Rank 0's end: listen on a free port (see :attr:`port`), then :meth:`accept` the others."""
+        channel = cls(0, timeout)
+        channel.serve(world_size, host)
+        return channel
+
+    def serve(self, world_size: int, host: str = "0.0.0.0") -> int:
+        """Rank 0: start listening for the other ``world_size - 1`` ranks; return the port."""
+        self._expected = world_size - 1
+        if self._expected > 0:
+            self._listener = socket.create_server((host, 0), backlog=max(8, world_size))
+        else:
+            self.connected = True
+        return self.port
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1] if self._listener is not None else 0
+
+    def accept(self) -> None:
+        """Wait until every other rank connected (rank 0)."""
+        deadline = time.monotonic() + self.timeout
+        seen = set()
+        while len(self._followers) < self._expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CommunicationTimeout(
+                    f"rank 0: {len(self._followers)} of {self._expected} ranks connected to the ordering "
+                    f"channel within {self.timeout} s; is every worker running?")
+            self._listener.settimeout(remaining)
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            sock.settimeout(self.timeout)
+            rank = _COUNT.unpack(_read_exact(sock, _COUNT.size, None))[0]
+            if rank in seen or not 0 < rank <= self._expected:
+                sock.close()
+                raise CommunicationError(f"rank 0: unexpected ordering connection from rank {rank}")
+            seen.add(rank)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._followers.append(sock)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self.connected = True
+
+    def join(self, address: Tuple[str, int]) -> None:
+        """A follower: connect to rank 0 at ``address``, retrying until the timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as error:
+                if time.monotonic() > deadline:
+                    raise CommunicationTimeout(
+                        f"rank {self.rank}: could not connect to rank 0's ordering channel at {address[0]}:"
+                        f"{address[1]} within {self.timeout} s ({error})") from None
+                time.sleep(0.05)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(_COUNT.pack(self.rank))
+        sock.settimeout(None)
+        self._leader = sock
+        self.connected = True
+
+    # ------------------------------------------------------------------ channel
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def new_epoch(self) -> int:
+        self._epochs += 1
+        return self._epochs
+
+    def publish(self, message: Sequence[int]) -> None:
+        if not self.connected:
+            if len(message) == 2 and message[1] == STOP:
+                return  # stopped before anything was scheduled: nobody listens yet
+            raise CommunicationError("rank 0: the ordering channel is not connected yet")
+        data = _COUNT.pack(len(message)) + struct.pack(f"<{len(message)}q", *message)
+        for sock in self._followers:
+            try:
+                sock.sendall(data)
+            except OSError as error:
+                raise CommunicationError(f"rank 0: a rank left the ordering channel ({error})") from error
+
+    def receive(self, cancel: threading.Event) -> Optional[List[int]]:
+        if not self.connected:  # stopped before anything was scheduled (rank 0 sends nothing)
+            return encode_stop(self._epochs)
+        head = _read_exact(self._leader, _COUNT.size, cancel)
+        if head is None:
+            return None
+        count = _COUNT.unpack(head)[0]
+        body = _read_exact(self._leader, 8 * count, cancel)
+        if body is None:
+            return None
+        return list(struct.unpack(f"<{count}q", body))
+
+    def close(self) -> None:
+        for sock in self._followers + [s for s in (self._leader, self._listener) if s is not None]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._followers, self._leader, self._listener = [], None, None

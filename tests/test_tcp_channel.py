@@ -1,0 +1,86 @@
+"""TcpOrderChannel: rank 0's decisions reach every follower in order over real sockets (127.0.0.1)."""
+
+import threading
+import time
+
+import pytest
+
+from bytescheduler.core.errors import CommunicationError, CommunicationTimeout
+from bytescheduler.core.ordering import STOP, decode, encode_ops, encode_stop
+from bytescheduler.core.tcp_channel import TcpOrderChannel
+
+
+def connected(world_size: int, timeout: float = 5.0):
+    leader = TcpOrderChannel(0, timeout)
+    port = leader.serve(world_size)
+    followers = [TcpOrderChannel(rank, timeout) for rank in range(1, world_size)]
+    threads = [threading.Thread(target=f.join, args=(("127.0.0.1", port),)) for f in followers]
+    for thread in threads:
+        thread.start()
+    leader.accept()
+    for thread in threads:
+        thread.join(5)
+    return leader, followers
+
+
+def test_messages_arrive_in_order_at_every_follower():
+    leader, followers = connected(3)
+    try:
+        big = [(0, [(key, 1, 0, 10) for key in range(2000)])]  # 8,000+ words: many TCP segments
+        messages = [encode_ops(1, [(1, [(3, 0, 0, 5)])]), encode_ops(1, big), encode_stop(1)]
+        for message in messages:
+            leader.publish(message)
+        cancel = threading.Event()
+        for follower in followers:
+            got = [follower.receive(cancel) for _ in messages]
+            assert got == messages
+            assert decode(got[1], 1) == big
+            assert decode(got[2], 1) is None
+    finally:
+        leader.close()
+        for follower in followers:
+            follower.close()
+
+
+def test_leader_gone_raises_on_the_follower_and_cancel_returns_none():
+    leader, (follower,) = connected(2)
+    cancel = threading.Event()
+    timer = threading.Timer(0.2, cancel.set)
+    timer.start()
+    started = time.monotonic()
+    assert follower.receive(cancel) is None  # nothing sent: returns once cancelled
+    assert time.monotonic() - started < 2.0
+    leader.close()
+    with pytest.raises(CommunicationError, match="closed the ordering connection"):
+        follower.receive(threading.Event())
+    follower.close()
+
+
+def test_follower_gone_raises_on_the_leader():
+    leader, (follower,) = connected(2)
+    follower.close()
+    with pytest.raises(CommunicationError, match="left the ordering channel"):
+        for _ in range(200):  # the first sends may still be buffered by the kernel
+            leader.publish(list(range(1000)))
+            time.sleep(0.005)
+    leader.close()
+
+
+def test_missing_follower_times_out_with_a_clear_error():
+    leader = TcpOrderChannel(0, 0.5)
+    leader.serve(2)
+    with pytest.raises(CommunicationTimeout, match="0 of 1 ranks connected"):
+        leader.accept()
+    leader.close()
+    follower = TcpOrderChannel(1, 0.3)
+    with pytest.raises(CommunicationTimeout, match="could not connect to rank 0"):
+        follower.join(("127.0.0.1", 9))
+
+
+def test_a_scheduler_stopped_before_connecting_stops_cleanly():
+    leader, follower = TcpOrderChannel(0, 1.0), TcpOrderChannel(1, 1.0)
+    epoch = follower.new_epoch()
+    leader.publish(encode_stop(epoch))  # nothing listens yet: dropped
+    assert follower.receive(threading.Event()) == [epoch, STOP]
+    with pytest.raises(CommunicationError, match="not connected"):
+        leader.publish(encode_ops(epoch, [(0, [(1, 0, 0, 1)])]))
