@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import Optional, Dict, List, Tuple
 
 import matplotlib
 
@@ -33,28 +33,37 @@ def bar_chart(summary: dict, path: str) -> None:
     plt.close(figure)
 
 
-def _iteration_window(compute: List[dict]) -> Tuple[float, float]:
+def _iteration_window(compute: List[dict], period_us: Optional[float] = None) -> Tuple[float, float]:
     """The last two traced iterations on rank 0: from the start of the last but one to about the end.
 
     An iteration starts with an all-reduce (communication only) or with the first of a run
-    of forward spans (MXNet's forward is split where the engine waits for weights).
+    of forward spans (MXNet's forward is split where the engine waits for weights). When
+    that finds no plausible iteration (shorter than half the measured ``period_us``, as when
+    MXNet's profiler interleaves the next forward with the backward), the window is the last
+    two measured periods.
     """
     events = sorted(compute, key=lambda e: e["ts"])
+    end = max(e["ts"] + e["dur"] for e in compute)
     starts = [e["ts"] for i, e in enumerate(events) if e["name"] == "all-reduce"
               or (e["name"] == "forward" and (i == 0 or events[i - 1]["name"] != "forward"))]
-    if len(starts) >= 2:
+    if len(starts) >= 2 and (period_us is None or starts[-1] - starts[-2] > period_us / 2):
         return starts[-2], starts[-1] + (starts[-1] - starts[-2])
-    end = max(e["ts"] + e["dur"] for e in compute)
+    if period_us is not None:
+        return end - 2 * period_us, end
     return (starts[0] if starts else end - 1.0), end
 
 
 def timeline_chart(system: str, label: str, compute_events: List[dict], traces: List[dict], path: str,
-                   rank0: int = 0) -> None:
-    """Gantt chart of compute and communication per rank over the last two traced iterations."""
+                   rank0: int = 0, period_s: Optional[float] = None) -> None:
+    """Gantt chart of compute and communication per rank over the last two traced iterations.
+
+    ``period_s``: the measured seconds per iteration, when known (see :func:`_iteration_window`).
+    """
     compute = [e for e in compute_events if e["cat"] == f"compute:{system}"]
     if not compute:
         return
-    start, end = _iteration_window([e for e in compute if e["pid"] == rank0])
+    start, end = _iteration_window([e for e in compute if e["pid"] == rank0],
+                                   None if period_s is None else period_s * 1e6)
     start -= 0.05 * (end - start)
     rows: Dict[str, List[Tuple[float, float, str]]] = defaultdict(list)
     for event in compute:

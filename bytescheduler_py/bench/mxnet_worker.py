@@ -124,6 +124,7 @@ class ScheduledGluonSystem(GluonSystem):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kv.overlap(self.net)
+        self.tuned = self.kv.scheduler.config.auto_tune
 
     def flush(self) -> None:
         self.kv.synchronize()
@@ -152,7 +153,8 @@ def main(argv=None) -> int:
             os.environ["BYTESCHEDULER_TIMELINE"] = os.path.join(args.trace_dir, f"{name}.json")
         else:
             os.environ.pop("BYTESCHEDULER_TIMELINE", None)
-        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, credit_bytes=args.credit)
+        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, credit_bytes=args.credit,
+                              auto_tune=bool(args.auto_tune))
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank

@@ -169,7 +169,8 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
     for name in summary["systems"]:
         traces = _load_traces(trace_dir, name)
         path = os.path.join(out_dir, f"timeline-{name}.png")
-        charts.timeline_chart(name, LABELS.get(name, name), compute_events, traces, path, results[0]["rank"])
+        charts.timeline_chart(name, LABELS.get(name, name), compute_events, traces, path, results[0]["rank"],
+                              period_s=summary["systems"][name]["median_s"])
     return table
 
 

@@ -13,6 +13,7 @@ SGD update locally. Unwrapped dist_sync with server-side SGD gives exactly these
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -106,6 +107,8 @@ TRAINING = {
     "repartition-server-sgd": (["--update-on-kv", "--overlap", "--grain", "512",
                                 "--repartition", "5:4096", "10:512", "15:2048"], 2),
     "repartition-local-update": (["--grain", "512", "--repartition", "5:4096", "10:512", "15:2048"], 1),
+    # rank 0's tuner changes partition and credit during training
+    "auto-tune-server-sgd": (["--update-on-kv", "--overlap", "--grain", "512", "--auto-tune"], 2),
 }
 
 
@@ -119,6 +122,12 @@ def test_gluon_training_equals_reference(case, reference, tmp_path):
     if "--repartition" in options:
         for size in (4096, 512, 2048):
             assert len(re.findall(rf"REPARTITION rank=\d step=\d+ partition_bytes={size}\b", text)) == 2, text
+    if "--auto-tune" in options:
+        tunings = dict(re.findall(r"TUNING rank=(\d) settings=(.*)", text))
+        assert list(tunings) == ["0"], text  # only rank 0 decides, so only rank 0 tunes
+        settings = json.loads(tunings["0"])
+        assert len(settings) >= 2 and len({tuple(s) for s in settings}) >= 2, settings
+        assert min(p for p, _ in settings) >= 512, "the tuner went below the server grain"
     assert_params_equal(tmp_path / "ours", reference["--hybrid" in options])
 
 
@@ -166,8 +175,6 @@ def test_stalled_peer_raises_within_timeout():
 # --- a push waits for its array, not for the call ------------------------------------------------
 def _task_spans(path):
     """{task name: (start, end)} in wall-clock seconds from a scheduler timeline."""
-    import json
-
     begins, spans = {}, {}
     for event in json.loads(Path(path).read_text()):
         if event.get("cat") != "task":

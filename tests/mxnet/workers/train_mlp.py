@@ -1,7 +1,7 @@
 """gluon MLP training, 20 steps; saves the parameters.
 
     train_mlp.py MODE PREFIX [--update-on-kv] [--overlap] [--hybrid] [--partition BYTES]
-                 [--grain BYTES] [--repartition STEP:BYTES ...]
+                 [--grain BYTES] [--repartition STEP:BYTES ...] [--auto-tune]
 
 MODE:
   plain      a dist_sync worker with kvstore="dist_sync" (unwrapped)
@@ -11,7 +11,8 @@ MODE:
              batches (a + b is exact and commutative) and applies the same local update
 
 A worker saves PREFIX-rank{R}.params, the reference PREFIX-reference.params. ``--repartition
-5:4096`` calls ``kv.set_partition_bytes(4096)`` before step 5 (wrapped only).
+5:4096`` calls ``kv.set_partition_bytes(4096)`` before step 5 (wrapped only). ``--auto-tune``
+lets rank 0's tuner change partition and credit during training; it prints the settings tried.
 """
 
 import argparse
@@ -76,7 +77,7 @@ def worker(args) -> None:
     if args.mode == "wrapped":
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
         kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, grain_bytes=args.grain,
-                              credit_bytes=4096, timeout=60)
+                              credit_bytes=4096, timeout=60, auto_tune=args.auto_tune)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank
@@ -95,6 +96,9 @@ def worker(args) -> None:
         kv.synchronize()
         assert kv.scheduler.stats["pieces"] > STEPS * 6, kv.scheduler.stats
         print(f"STATS rank={rank} {kv.scheduler.stats}")
+        tuner = kv.scheduler.tuner
+        if tuner is not None:
+            print(f"TUNING rank={rank} settings={[[t.partition_bytes, t.credit_bytes] for t in tuner.history]}")
     mx.nd.waitall()
     net.save_parameters(f"{args.prefix}-rank{rank}.params")
     if args.mode == "wrapped":
@@ -117,6 +121,7 @@ def main() -> None:
     parser.add_argument("--partition", type=int, default=1024)
     parser.add_argument("--grain", type=int, default=None)
     parser.add_argument("--repartition", type=step_bytes, nargs="*", default=[])
+    parser.add_argument("--auto-tune", action="store_true")
     args = parser.parse_args()
     if args.mode == "reference":
         reference(args)
