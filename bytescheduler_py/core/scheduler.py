@@ -26,7 +26,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 from .config import SchedulerConfig
 from .credit import CreditWindow
@@ -78,7 +78,8 @@ class Scheduler:
         tuning_agree: with ``auto_tune`` and no channel, maps this rank's measured step
             time to the value every rank uses (e.g. a broadcast from rank 0), for backends
             whose ranks must partition alike; None when each rank may tune alone.
-        tune_credit: False makes auto-tuning leave the credit alone.
+        tuning: further :class:`~bytescheduler.core.tuning.AutoTuner` options, e.g.
+            ``{"min_partition_bytes": n}`` for a backend that cannot cut finer.
 
     The scheduler is started on construction and stopped by :meth:`stop` (or the end of
     a ``with`` block). ``stop`` is collective when a channel is used: every rank calls it.
@@ -91,7 +92,7 @@ class Scheduler:
         rank: int = 0,
         config: Optional[SchedulerConfig] = None,
         tuning_agree: Optional[Callable[[float], float]] = None,
-        tune_credit: bool = True,
+        tuning: Optional[Dict[str, Any]] = None,
         **options,
     ) -> None:
         if config is None:
@@ -135,7 +136,7 @@ class Scheduler:
         self.tuner: Optional[AutoTuner] = None
         if config.auto_tune and self._leader:
             self.tuner = AutoTuner(config.partition_bytes, config.credit_bytes, self.reconfigure, agree=tuning_agree,
-                                   tune_credit=tune_credit)
+                                   **(tuning or {}))
         self._ops_launched = 0
         self._pieces_launched = 0
 

@@ -6,9 +6,9 @@ sends each message (a list of int64, see :mod:`bytescheduler.core.ordering`) to 
 follower as ``[count: int64][count x int64]``, little-endian. How the followers learn rank
 0's address is up to the adapter (``ScheduledKVStore`` passes it through the store itself).
 
->>> leader = TcpOrderChannel.listen(world_size=1, timeout=5.0)
->>> leader.is_leader, leader.connected
-(True, True)
+>>> leader = TcpOrderChannel(rank=0, timeout=5.0)
+>>> leader.serve(world_size=1), leader.is_leader, leader.connected
+(0, True, True)
 >>> leader.close()
 """
 
@@ -85,13 +85,6 @@ class TcpOrderChannel:
         self.connected = False
 
     # ------------------------------------------------------------------ set-up
-
-    @classmethod
-    def listen(cls, world_size: int, timeout: float, host: str = "0.0.0.0") -> "TcpOrderChannel":
-        """Rank 0's end: listen on a free port (see :attr:`port`), then :meth:`accept` the others."""
-        channel = cls(0, timeout)
-        channel.serve(world_size, host)
-        return channel
 
     def serve(self, world_size: int, host: str = "0.0.0.0") -> int:
         """Rank 0: start listening for the other ``world_size - 1`` ranks; return the port."""

@@ -59,7 +59,6 @@ class AutoTuner:
         threshold: relative gain a neighbour needs to be kept.
         min_partition_bytes, max_partition_bytes, max_credit_multiple: the search box.
         clock: seconds, monotonic (for tests).
-        tune_credit: False keeps the credit as given (a backend that cannot enforce one).
     """
 
     def __init__(
@@ -75,7 +74,6 @@ class AutoTuner:
         max_partition_bytes: int = 256 * MiB,
         max_credit_multiple: int = 16,
         clock: Callable[[], float] = time.perf_counter,
-        tune_credit: bool = True,
     ) -> None:
         if measure_steps < 1 or settle_steps < 0:
             raise ValueError("auto-tuning needs measure_steps >= 1 and settle_steps >= 0")
@@ -88,15 +86,12 @@ class AutoTuner:
         self._max_partition = max(max_partition_bytes, partition_bytes)
         self._max_multiple = max_credit_multiple
         self._clock = clock
-        self._tune_credit = tune_credit
         self.history: List[Trial] = []
         self.best: Optional[Trial] = None
         self.done = False
         self.steps = 0
         # The search: (dimension, direction) moves still to try, current trial, its samples.
-        self._moves: List[Tuple[str, int]] = [("partition", 1), ("partition", -1)]
-        if tune_credit:
-            self._moves += [("credit", 1), ("credit", -1)]
+        self._moves: List[Tuple[str, int]] = [("partition", 1), ("partition", -1), ("credit", 1), ("credit", -1)]
         self.trial: Tuple[int, int] = (partition_bytes, max(credit_bytes, 1))
         self._last: Optional[float] = None
         self._samples: List[float] = []
@@ -161,7 +156,7 @@ class AutoTuner:
             multiple = multiple * 2 if direction > 0 else multiple // 2
             if not 1 <= multiple <= self._max_multiple:
                 return None
-        candidate = (partition, partition * multiple if self._tune_credit else credit)
+        candidate = (partition, partition * multiple)
         tried = {(t.partition_bytes, t.credit_bytes) for t in self.history}
         return None if candidate in tried else candidate
 

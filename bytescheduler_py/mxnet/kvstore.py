@@ -86,7 +86,6 @@ from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationT
 from ..core.partition import partition_ranges
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel, local_address
-from ..core.tuning import AutoTuner
 from ..core.task import Operation, Task
 
 __all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "KVSTORE_DEFAULTS"]
@@ -307,7 +306,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._scheduled = "dist" in self._type
         self._config = config
         self._grain_bytes = grain
-        self._partition_bytes = config.partition_bytes
+        self._partition_bytes = config.partition_bytes  # local stores only; dist ones ask the scheduler
         self._closed = False
         self._close_lock = threading.Lock()
         self._keys: Dict[Any, _KeyInfo] = {}
@@ -333,10 +332,9 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                                               daemon=True)
         self._ready_thread.start()
         self._channel = TcpOrderChannel(self._rank, config.timeout) if self._num_workers > 1 else None
-        self._scheduler = Scheduler(self, channel=self._channel, rank=self._rank, config=self._config)
-        if self._scheduler.tuner is not None:  # its search must stay above the server grain
-            self._scheduler.tuner = AutoTuner(config.partition_bytes, config.credit_bytes, self._apply_tuning,
-                                              min_partition_bytes=grain)
+        # A piece holds whole sub-keys: the tuner's search stays at or above the grain.
+        self._scheduler = Scheduler(self, channel=self._channel, rank=self._rank, config=self._config,
+                                    tuning={"min_partition_bytes": grain})
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())
 
@@ -366,7 +364,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
     @property
     def partition_bytes(self) -> int:
         """The current size of the scheduled pieces (see :meth:`set_partition_bytes`)."""
-        return self._partition_bytes
+        return self._scheduler.config.partition_bytes if self._scheduled else self._partition_bytes
 
     @property
     def grain_bytes(self) -> int:
@@ -400,14 +398,11 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                 "when the store was created (smaller pieces would need new server keys, losing their "
                 "optimizer state); create the ScheduledKVStore with a smaller grain_bytes")
         self._check_open()
-        self._partition_bytes = size
         if self._scheduled:
             self._scheduler.reconfigure(partition_bytes=size)
+        else:
+            self._partition_bytes = size
         return size
-
-    def _apply_tuning(self, partition_bytes: int, credit_bytes: int) -> None:
-        self._partition_bytes = max(partition_bytes, self._grain_bytes)
-        self._scheduler.reconfigure(partition_bytes=self._partition_bytes, credit_bytes=credit_bytes)
 
     # ------------------------------------------------------------------ helpers
 
@@ -705,8 +700,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         long before MXNet's engine has computed the gradients. Scheduled at once, the first
         layers' keys (the most urgent, computed last) would go first and wait in the engine
         while nothing else moves, and no communication would overlap the backward pass. So a
-        push waits here until its arrays are computed. The backward pass computes the last layers first, so the
-        least urgent key of a burst of calls is waited for first.
+        push waits here until its arrays are computed. The backward pass computes the last
+        layers first, so the least urgent key of a burst of calls is waited for first.
         """
         pending: List[_Job] = []
         while True:
