@@ -64,6 +64,26 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     assert summary["systems"]["scheduled"]["scheduler"]["operations"] > 0
     for name in ("results.md", "speed.png", "timeline-scheduled.png", "timeline-ddp.png"):
         assert (out / name).stat().st_size > 0, name
+    if "pinned" in summary["network"]:  # each rank on a CPU of its own: its busy share is measured
+        for entry in summary["systems"].values():
+            assert all(0.0 <= v <= 1.0 for v in entry["core_busy_per_rank"]), entry
+        assert "Core busy:" in (out / "results.md").read_text()
+
+
+def test_core_busy_counts_a_pinned_process_spinning():
+    """The core-busy column's source: a process pinned to one CPU that spins for 0.6 s shows up."""
+    script = (
+        "import os, time; from bytescheduler.bench.common import cpu_busy_seconds, pinned_cpu\n"
+        "cpu = sorted(os.sched_getaffinity(0))[-1]; os.sched_setaffinity(0, {cpu}); assert pinned_cpu() == cpu\n"
+        "before = cpu_busy_seconds(cpu); start = time.perf_counter()\n"
+        "while time.perf_counter() - start < 0.6: pass\n"
+        "print(cpu_busy_seconds(cpu) - before, time.perf_counter() - start)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    busy, elapsed = (float(v) for v in done.stdout.split())
+    # Clock ticks are 10 ms; other processes on that CPU can only add to it.
+    assert 0.5 <= busy <= elapsed + 0.05, (busy, elapsed)
 
 
 def test_bench_failure_is_reported_and_cleans_up(tmp_path):

@@ -556,6 +556,94 @@ def test_follower_waits_for_its_own_tasks(cleanup):
     _run_ranks(2, lambda r: (leader, follower)[r].stop())
 
 
+def test_ready_work_is_launched_by_the_submitting_thread(cleanup):
+    """No hand-off to the dispatcher when the credit admits a piece at once; completions that
+    free the credit hand the rest to the dispatcher (not to the backend's completion thread)."""
+    backend = cleanup.backend("manual")
+    scheduler = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=100, merge=False)
+    me = threading.current_thread().name
+    futures = [scheduler.submit(make_task(0, 100)), scheduler.submit(make_task(1, 100))]
+    assert [r.thread for r in backend.ops] == [me]  # launched before submit returned; key 1 waits
+    backend.release(1)
+    backend.wait_launched(2)
+    assert backend.ops[1].thread.startswith("bytescheduler-dispatch")
+    backend.release(1)
+    results(futures)
+
+
+def test_follower_launches_from_whichever_thread_completes_the_decision(cleanup):
+    hub = LocalOrderHub(2, timeout=10)
+    backends = [cleanup.backend("immediate"), cleanup.backend("immediate")]
+    leader, follower = (cleanup.scheduler(backends[r], channel=hub.channel(r), rank=r, timeout=10) for r in (0, 1))
+    me = threading.current_thread().name
+    # The decision arrives after the tensor: the receiver thread launches it.
+    future = follower.submit(make_task(0, 10))
+    results([leader.submit(make_task(0, 10)), future])
+    assert backends[1].ops[0].thread.startswith("bytescheduler-receive")
+    # The tensor arrives after the decision: the submitting thread launches it. (A follower
+    # receives decisions while it has tensors undecided: here key 2's elements.)
+    later = follower.submit(make_task(2, 10))
+    results([leader.submit(make_task(1, 10)), leader.submit(make_task(2, 10))])
+    deadline = time.monotonic() + WAIT
+    while not follower._decided and time.monotonic() < deadline:
+        time.sleep(0.001)
+    results([follower.submit(make_task(1, 10)), later])
+    assert [r.keys for r in backends[1].ops] == [[0], [1], [2]]
+    assert backends[1].ops[1].thread == me
+    _run_ranks(2, lambda r: (leader, follower)[r].stop())
+
+
+def test_an_inline_launch_slower_than_the_watch_interval_is_not_a_timeout(cleanup):
+    """An operation taken by a submitting thread counts as in flight from then on: the
+    dispatcher's deadline check must not see it with no launch time while it is published."""
+
+    class SlowLeaderChannel:
+        is_leader = True
+
+        def publish(self, message):
+            time.sleep(0.8)  # longer than the dispatcher's watch interval (0.5 s)
+
+    backend = cleanup.backend("immediate")
+    scheduler = cleanup.scheduler(backend, channel=SlowLeaderChannel(), timeout=2.0)
+    future = scheduler.submit(make_task(0, 10))
+    assert future.result(timeout=WAIT).key == 0
+    scheduler.check()  # no CommunicationTimeout recorded
+    scheduler.stop()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_submitting_threads_keep_one_order_on_every_rank(cleanup, seed):
+    """Inline launches race with the dispatcher and each other; publish order must equal launch order."""
+    world, threads_per_rank, tasks_per_thread = 2, 4, 30
+    hub = LocalOrderHub(world, timeout=20)
+    backends = [cleanup.backend("pool", num_lanes=2, delay=(0, 0.0005), seed=seed * 10 + r) for r in range(world)]
+    schedulers = [cleanup.scheduler(backends[r], channel=hub.channel(r), rank=r, partition_bytes=64,
+                                    credit_bytes=256, fast_lane_bytes=32, timeout=20) for r in range(world)]
+
+    def rank_main(rank):
+        def submitter(t):
+            rng = random.Random(seed * 100 + rank * 10 + t)
+            keys = list(range(t * tasks_per_thread, (t + 1) * tasks_per_thread))
+            rng.shuffle(keys)
+            futures = [schedulers[rank].submit(make_task(k, 1 + k % 150, priority=k % 7, fuse_key="f"))
+                       for k in keys]
+            results(futures, timeout=20)
+
+        workers = [threading.Thread(target=submitter, args=(t,)) for t in range(threads_per_rank)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(30)
+        schedulers[rank].stop()
+
+    _run_ranks(world, rank_main)
+    sequences = [[r.signature for r in b.ops] for b in backends]
+    assert sequences[1] == sequences[0]
+    launched = {piece[0] for _, pieces in sequences[0] for piece in pieces}
+    assert launched == set(range(threads_per_rank * tasks_per_thread))
+    assert len({r.thread for r in backends[0].ops}) > 1  # inline and dispatcher launches both happened
+
+
 # ---------------------------------------------------------------------------- 7. shutdown
 
 

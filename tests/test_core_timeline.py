@@ -77,7 +77,9 @@ def test_single_rank_timeline(tmp_path):
     assert len(found["queue"]) == stats["pieces"] == sum(len(r.pieces) for r in backend.ops)
     assert len(found["lane0"]) + len(found["lane1"]) == stats["operations"] == len(backend.ops)
     assert sorted(a["bytes"] for _, _, _, a in found["lane0"] + found["lane1"]) == sorted(r.nbytes for r in backend.ops)
-    assert all(a["bytes"] <= 50 for _, _, _, a in found["lane1"])
+    # The fast lane carries small operations, and a single urgent piece when it is idle
+    # (see Scheduler._window): never a fused operation above its size.
+    assert all(a["bytes"] <= 50 or a["pieces"] == 1 for _, _, _, a in found["lane1"])
     assert all(a["bytes"] > 50 for _, _, _, a in found["lane0"])
     for name, begin, end, args in found["task"]:
         assert args["bytes"] == sizes[args["key"]] and args["generation"] == 0 and name == f"key{args['key']}"

@@ -12,7 +12,7 @@ import json
 import os
 import resource
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 # A large all-reduce (or push+pull) measures the link: bytes each rank sends per second.
 LINK_MEGABYTES = 32
@@ -21,6 +21,30 @@ LINK_MEGABYTES = 32
 def rss_mib() -> float:
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def pinned_cpu() -> Optional[int]:
+    """The one CPU this process may run on, or None when it may run on several."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    return next(iter(cpus)) if len(cpus) == 1 else None
+
+
+def cpu_busy_seconds(cpu: int) -> float:
+    """Seconds CPU ``cpu`` has spent on anything but idling since boot (``/proc/stat``).
+
+    Counts user, system, interrupt and soft-interrupt time, so the kernel's network work
+    done on the rank's core (TCP, shaping) is included, whichever process it is charged to.
+    """
+    prefix = f"cpu{cpu} "
+    with open("/proc/stat") as handle:
+        for line in handle:
+            if line.startswith(prefix):
+                user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in line.split()[1:8])
+                return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    raise OSError(f"no line for CPU {cpu} in /proc/stat")
 
 
 class Tracer:
@@ -101,12 +125,14 @@ def link_rate(allreduce: Callable[[], None], barrier: Callable[[], None], world:
 
 
 def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Callable[[], None], tracer: Tracer,
-               rank: int) -> Tuple[Dict[str, List[float]], Dict[str, float]]:
+               rank: int) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, List[float]]]:
     """Warm every system up, then ``args.rounds`` rounds of one timed block per system, in turns.
 
     A barrier starts each block; the system's flush (waiting for its pending communication)
     ends it inside the timed block. The last round is traced unless ``args.no_trace``.
-    Returns seconds per iteration per block, and peak RSS (MiB) per system.
+    Returns seconds per iteration per block, peak RSS (MiB) per system, and, when this
+    process is pinned to one CPU, the fraction of each block that CPU was busy (1.0: the
+    rank's core was the limit; empty lists when not pinned).
     """
     for system in systems.values():
         # Tuning happens in warm-up, the same number of steps on every rank.
@@ -115,30 +141,38 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
         system.flush()
     times: Dict[str, List[float]] = {name: [] for name in systems}
     rss: Dict[str, float] = {name: 0.0 for name in systems}
+    busy: Dict[str, List[float]] = {name: [] for name in systems}
+    cpu = pinned_cpu()
     progress(rank, 0, args.rounds)
     for round_index in range(args.rounds):
         for name, system in systems.items():
             tracer.active = round_index == args.rounds - 1 and not args.no_trace
             system.trace(tracer.active)
             barrier()
+            busy_start = cpu_busy_seconds(cpu) if cpu is not None else 0.0
             start = time.perf_counter()
             for _ in range(args.iters):
                 system.iterate()
             system.flush()
-            times[name].append((time.perf_counter() - start) / args.iters)
+            elapsed = time.perf_counter() - start
+            times[name].append(elapsed / args.iters)
+            if cpu is not None:
+                busy[name].append(min(1.0, (cpu_busy_seconds(cpu) - busy_start) / elapsed))
             tracer.active = False
             rss[name] = max(rss[name], rss_mib())
         progress(rank, round_index + 1, args.rounds)
-    return times, rss
+    return times, rss, busy
 
 
 def write_result(args: argparse.Namespace, rank: int, systems: Dict[str, System], times: Dict[str, List[float]],
-                 rss: Dict[str, float], link: float, gradient_bytes: int, tracer: Tracer) -> None:
+                 rss: Dict[str, float], busy: Dict[str, List[float]], link: float, gradient_bytes: int,
+                 tracer: Tracer) -> None:
     """The per-rank JSON every job writes (``link`` is 0.0 when not measured)."""
     result = {
         "rank": rank,
         "times": times,
         "rss_mib": rss,
+        "core_busy": busy,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "link_bytes_per_s": link,
         "gradient_bytes": gradient_bytes,

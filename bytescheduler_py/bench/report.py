@@ -8,6 +8,8 @@ large all-reduce (the first job's: gloo when the torch job ran). A parameter ser
 one server beside each of n workers sends as much per rank. No schedule can beat
 max(compute, sending); the last column says how close each system came. Each scheduled
 system's speedup is over its own framework's baseline (see ``BASELINES``).
+*Core busy* is the median fraction of a block each rank's pinned CPU was not idle,
+kernel network work included: near 100% the CPU, not the link, set the pace.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ def merge(jobs: List[Tuple[str, List[dict]]]) -> List[dict]:
     for kind, results in jobs:
         for result in results:
             rank = merged.setdefault(result["rank"], {
-                "rank": result["rank"], "times": {}, "rss_mib": {}, "peak_rss_mib": 0.0, "links": {},
+                "rank": result["rank"], "times": {}, "rss_mib": {}, "core_busy": {}, "peak_rss_mib": 0.0, "links": {},
                 "gradient_bytes": result["gradient_bytes"], "stats": {}, "compute_events": []})
             for name, times in result["times"].items():
                 rank["times"].setdefault(name, []).extend(times)
                 rank["rss_mib"][name] = max(rank["rss_mib"].get(name, 0.0), result["rss_mib"][name])
+                rank["core_busy"].setdefault(name, []).extend(result.get("core_busy", {}).get(name, []))
             rank["stats"].update(result["stats"])
             rank["compute_events"] += result["compute_events"]
             rank["peak_rss_mib"] = max(rank["peak_rss_mib"], result["peak_rss_mib"])
@@ -74,6 +77,9 @@ def summarize(results: List[dict], batch_size: int) -> dict:
             "blocks_s": blocks,
             "samples_per_s": world * batch_size / median,
             "rss_mib_per_rank": [round(r["rss_mib"][name], 1) for r in results],
+            # Median fraction of a block each rank's (pinned) core was busy; None when not pinned.
+            "core_busy_per_rank": [round(statistics.median(r["core_busy"][name]), 3) if r["core_busy"].get(name)
+                                   else None for r in results],
             "scheduler": results[0]["stats"].get(name) or None,
         }
     links = {kind: min(r["links"][kind] for r in results) for kind in results[0]["links"]}
@@ -104,15 +110,17 @@ def markdown(summary: dict, header: str) -> str:
     lines = [
         header,
         "",
-        "| system | median s/iter | min-max | samples/s | speedup | of floor | RSS MiB/rank |",
-        "|---|---|---|---|---|---|---|",
+        "| system | median s/iter | min-max | samples/s | speedup | of floor | RSS MiB/rank | core busy/rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for entry in summary["systems"].values():
         speedup = f"{entry['speedup']:.2f}x vs {LABELS[entry['baseline']]}" if "speedup" in entry else ""
+        busy = entry.get("core_busy_per_rank") or []
         lines.append(
             f"| {entry['label']} | {entry['median_s']:.3f} | {entry['min_s']:.3f}-{entry['max_s']:.3f} | "
             f"{entry['samples_per_s']:.1f} | {speedup} | {100 * entry['fraction_of_floor']:.0f}% | "
-            f"{'/'.join(f'{v:.0f}' for v in entry['rss_mib_per_rank'])} |"
+            f"{'/'.join(f'{v:.0f}' for v in entry['rss_mib_per_rank'])} | "
+            f"{'/'.join('-' if v is None else f'{100 * v:.0f}%' for v in busy)} |"
         )
     compute = f"{floors['compute_s']:.3f} s" if floors["compute_s"] is not None else "not measured"
     links = [f"{rate * 8 / 1e9:.2f} Gbit/s per direction by {kind}"
@@ -124,6 +132,9 @@ def markdown(summary: dict, header: str) -> str:
         f"({summary['gradient_bytes'] / 2**20:.1f} MiB of gradients, link measured at "
         f"{links[0]}{others}); floor = max = {floors['floor_s']:.3f} s.",
     ]
+    if any(v is not None for entry in summary["systems"].values() for v in entry.get("core_busy_per_rank") or []):
+        lines += ["", "Core busy: the median share of a block each rank's CPU was not idle (its processes "
+                  "and the kernel's network work on it); near 100% the CPU, not the link, set the pace."]
     settings = [f"{entry['label']} {stats['partition_bytes'] / 2**20:g}/"
                 + (f"{stats['credit_bytes'] / 2**20:g} MiB" if stats["credit_bytes"] < 2**50 else "no credit")
                 for entry in summary["systems"].values()

