@@ -74,6 +74,9 @@ def main() -> None:
         system = "DDP default" if args.no_bytescheduler else "DDP + bytescheduler hook"
         print(f"{system}: model {args.model}, {dist.get_world_size()} ranks, "
               f"median {median:.4f} s/iter, {args.batch_size * dist.get_world_size() / median:.1f} samples/s")
+    # Free DDP first: it holds the process group, whose gloo threads then end with it
+    # instead of outliving the interpreter.
+    del model, optimizer, step
     dist.destroy_process_group()
 
 

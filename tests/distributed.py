@@ -96,10 +96,12 @@ def run_ranks(
                 errors[rank] = value
             else:
                 raise RanksFailed(f"rank {rank} failed:\n{value}")
-        for process in processes:
+        for rank, process in enumerate(processes):
             process.join(timeout=max(1.0, end - time.monotonic()))
             if process.is_alive():
                 raise RanksFailed(f"rank process {process.pid} did not exit after returning")
+            if rank in outcome and process.exitcode != 0:  # e.g. aborted while shutting down
+                raise RanksFailed(f"rank {rank} returned, then exited with code {process.exitcode}")
     finally:
         for process in processes:
             if process.is_alive():

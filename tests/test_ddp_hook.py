@@ -27,8 +27,15 @@ def _model():
     )
 
 
-def _train_pair(rank, world_size, options, reference):
-    """Train our hook's model and a reference side by side; return the largest differences."""
+def _train_pair(rank, world_size, options, reference, lockstep=False):
+    """Train our hook's model and a reference side by side; return the largest differences.
+
+    With ``lockstep`` the reference is reset to our parameters and momentum after every
+    step and the differences are those of the averaged gradients, the largest over all
+    steps: where the sum order differs (3 ranks, other operation boundaries) rounding
+    differences of ~1e-8 grow step by step in a chaotic training run, so only a per-step
+    comparison can hold the result to a tight bound.
+    """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -42,18 +49,30 @@ def _train_pair(rank, world_size, options, reference):
         theirs.register_comm_hook(None, default_hooks.allreduce_hook)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
     data = torch.Generator().manual_seed(rank)
+    absolute = relative = 0.0
     for _ in range(STEPS):
         x = torch.randn(16, 3, 8, 8, generator=data)
         y = torch.randint(0, 10, (16,), generator=data)
         for model, optimizer in zip((ours, theirs), optimizers):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
+        if lockstep:
+            pairs = [(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters())]
+            absolute = max([absolute, *((a - b).abs().max().item() for a, b in pairs)])
+            relative = max([relative, *(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in pairs)])
+        for optimizer in optimizers:
             optimizer.step()
+        if lockstep:
+            with torch.no_grad():
+                for a, b in zip(ours.parameters(), theirs.parameters()):
+                    b.copy_(a)
+                    optimizers[1].state[b]["momentum_buffer"].copy_(optimizers[0].state[a]["momentum_buffer"])
     state.close()
-    absolute = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
-    relative = max(
-        ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours.parameters(), theirs.parameters())
-    )
+    if not lockstep:
+        absolute = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+        relative = max(
+            ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(ours.parameters(), theirs.parameters())
+        )
     tuner = state.scheduler.tuner
     stats = dict(state.scheduler.stats, trials=None if tuner is None else len(tuner.history))
     return absolute, relative, stats
@@ -61,9 +80,11 @@ def _train_pair(rank, world_size, options, reference):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_equals_ddp_default_within_1e6(world_size):
+    # Two ranks: the whole run stays within 1e-6 (a sum of two is the same in any order).
+    # Three: every step's averaged gradients do, from the same parameters (see lockstep).
     options = dict(partition_bytes=16 * 1024, credit_bytes=64 * 1024)
     for absolute, relative, stats in run_ranks(
-        _train_pair, world_size, (options, "builtin"), deadline=180
+        _train_pair, world_size, (options, "builtin", world_size > 2), deadline=180
     ):
         assert relative <= 1e-6, (absolute, relative)
         assert stats["pieces"] > STEPS  # the hook ran every step, and partitioned

@@ -110,10 +110,6 @@ class Scheduler:
         self._epoch = new_epoch() if new_epoch is not None else next(_epochs)
 
         self._cond = threading.Condition(threading.Lock())
-        # Held while taking, publishing and launching operations, so that they are published
-        # in the order they were taken. Taken after _cond is released, or tried without
-        # blocking while _cond is held (never both ways blocking: no deadlock).
-        self._launch_lock = threading.Lock()
         self._heap: List[Piece] = []
         self._credit = CreditWindow(config.credit_bytes)
         self._fast_credit: Optional[CreditWindow] = None
@@ -169,7 +165,7 @@ class Scheduler:
         """
         now = time.perf_counter()
         task.ready_time = now
-        finished = launch = False
+        finished = False
         with self._cond:
             self._raise_if_unusable()
             if task.numel == 0:
@@ -183,16 +179,14 @@ class Scheduler:
                     self._push_pieces(task, now)
                     # While the credit is full (most of a backward pass on a slow link) there
                     # is nothing to launch; a completion wakes the dispatcher then.
-                    launch = self._ready_to_take()
+                    if self._sleepers and self._ready_to_take():
+                        self._cond.notify_all()
                 else:
                     self._undecided_elements += task.numel
-                    launch = self._ready_to_take()
                     if self._sleepers:  # the receiver waits for undecided work
                         self._cond.notify_all()
         if finished:
             task.future.set_result(task)
-        elif launch:
-            self._launch_inline()
         return task.future
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -424,20 +418,11 @@ class Scheduler:
         return self._credit, 0, self.config.partition_bytes
 
     def _ready_to_take(self) -> bool:
-        """True when an operation may be launched now (lock held).
-
-        The leader: the most urgent queued piece fits its credit. A follower: every tensor
-        of the leader's next decided operation has been submitted here.
-        """
-        if self._leader:
-            if not self._heap:
-                return False
-            window, _, _ = self._window(self._heap[0])
-            return window.admits(self._heap[0].nbytes)
-        if not self._decided:
+        """True when the most urgent queued piece fits its credit (leader, lock held)."""
+        if not self._heap:
             return False
-        pending = self._pending
-        return all((key, generation) in pending for key, generation, _, _ in self._decided[0][1][1])
+        window, _, _ = self._window(self._heap[0])
+        return window.admits(self._heap[0].nbytes)
 
     def _take_ops(self) -> List[Operation]:
         """Pop what the credit admits now, highest priority first, fusing small neighbours.
@@ -472,9 +457,7 @@ class Scheduler:
                     total = size
             window.take(total)
             op = Operation(pieces, lane, next(self._op_ids))
-            # In flight from now on for the deadline check, which may run (on the
-            # dispatcher) before an inline launcher has called the backend.
-            op.launch_time = time.perf_counter()
+            op.launch_time = time.perf_counter()  # in flight from now on (deadline check)
             self._in_flight[op.op_id] = op
             ops.append(op)
         return ops
@@ -485,9 +468,10 @@ class Scheduler:
     def _run_dispatch(self) -> None:
         """The dispatcher thread: take what may go now, publish it (leader), launch it.
 
-        Operations are also launched inline, by the thread that makes them ready (see
-        :meth:`_launch_inline`); the dispatcher launches what completions make ready, and
-        whatever an inline launcher could not take because another thread was launching.
+        Every operation is launched here, also when the thread that made it ready could
+        have: by the time the dispatcher runs, more gradients are usually ready and are
+        merged into fewer operations (launching from the submitting thread measured 8-10%
+        slower on loopback, see docs/benchmarks.md).
         """
         take = self._take_ops if self._leader else self._take_decided
         try:
@@ -497,62 +481,21 @@ class Scheduler:
                         if self._abandon.is_set():
                             return
                         now = time.perf_counter()
-                        if self._launch_lock.acquire(blocking=False):
-                            try:
-                                ops = take()
-                                finished = not ops and self._drained()
-                            except BaseException:
-                                self._launch_lock.release()
-                                raise
-                            if ops or finished:
-                                break
-                            self._launch_lock.release()
+                        ops = take()
+                        if ops or self._drained():
+                            break
                         self._check_deadlines(now)
                         self._sleep(_WATCH_INTERVAL)
-                try:
-                    if not ops:
-                        if self._leader and self._channel is not None:
-                            self._channel.publish(encode_stop(self._epoch))
-                        return
-                    self._publish_and_launch(ops, now)
-                finally:
-                    self._launch_lock.release()
-                    self._after_launching()
+                if not ops:
+                    if self._leader and self._channel is not None:
+                        self._channel.publish(encode_stop(self._epoch))
+                    return
+                self._publish_and_launch(ops, now)
         except BaseException as error:  # noqa: BLE001 - any failure must reach the user
             self._fail(error)
 
-    def _launch_inline(self) -> None:
-        """Launch what may go now from the calling thread, unless another thread is launching.
-
-        Saves the hand-off to the dispatcher thread (a wake-up on a busy core can take
-        milliseconds), which matters most at the end of a backward pass, where the last
-        gradients' communication is on the critical path. Errors fail the scheduler (and
-        so the tasks' futures); they are not raised here.
-        """
-        if not self._launch_lock.acquire(blocking=False):
-            return  # the holder looks for more work when it is done
-        try:
-            with self._cond:
-                if self._abandon.is_set():
-                    return
-                now = time.perf_counter()
-                ops = self._take_ops() if self._leader else self._take_decided()
-            if ops:
-                self._publish_and_launch(ops, now)
-        except BaseException as error:  # noqa: BLE001
-            self._fail(error)
-        finally:
-            self._launch_lock.release()
-            self._after_launching()
-
-    def _after_launching(self) -> None:
-        """Wake the dispatcher if work became ready while this thread held the launch lock."""
-        with self._cond:
-            if self._sleepers and (self._stopping or self._ready_to_take()):
-                self._cond.notify_all()
-
     def _publish_and_launch(self, ops: List[Operation], now: float) -> None:
-        """Publish the leader's decisions (launch lock held), then launch the operations."""
+        """Publish the leader's decisions, then launch the operations."""
         if self._leader and self._channel is not None:
             decisions = [
                 (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
@@ -647,11 +590,7 @@ class Scheduler:
                         self._decided.append((now, decision))
                         for _, _, start, stop in decision[1]:
                             self._undecided_elements -= stop - start
-                    launch = self._ready_to_take()
-                    if not launch:
-                        self._cond.notify_all()
-                if launch:  # the tensors are here already: no hand-off to the dispatcher
-                    self._launch_inline()
+                    self._cond.notify_all()
         except BaseException as error:  # noqa: BLE001
             self._fail(error)
 
@@ -681,7 +620,7 @@ class Scheduler:
                 pieces.append(piece)
             self._decided.popleft()
             op = Operation(pieces, min(lane, self._lanes - 1), next(self._op_ids))
-            op.launch_time = time.perf_counter()  # see _take_ops
+            op.launch_time = time.perf_counter()
             self._in_flight[op.op_id] = op
             self._lane_window(op.lane).take(op.nbytes)
             ops.append(op)

@@ -17,18 +17,22 @@ learned from an event recorded after the collective, by one waiter thread per la
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
+import time
+import weakref
 from array import array
 from collections import deque
 from datetime import timedelta
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..core.errors import CommunicationError, MismatchError
+from ..core.log import logger
 from ..core.scheduler import Done
 from ..core.task import Operation
 
@@ -60,6 +64,88 @@ def read_frame(frame: torch.Tensor, message: List[int]) -> bool:
         raise MismatchError(f"corrupt ordering frame (length {length})")
     message.extend(frame[2 : 2 + length].tolist())
     return bool(more)
+
+
+class _Keeper:
+    """Knows what gloo's threads still have to let go of, so the process can wait for it.
+
+    A gloo thread takes the GIL after running an operation: to free the done-callback it
+    ran, and to drop the reference torch keeps to a tensor's Python object while C++ holds
+    the tensor. If the training script has ended by then and the interpreter is being torn
+    down, the thread is made to exit inside a C++ destructor and the process aborts
+    ("terminate called without an active exception"). So:
+
+    - every callback we hand to torch is wrapped; the wrapper drops its closure as soon as
+      it has run (inside the call, where a thread may exit harmlessly) and is recorded, in
+      a set changed by single calls (never blocking, never letting go of the GIL), from
+      the moment it runs until it is freed;
+    - every tensor of a completed operation is watched through a weak reference: it dies
+      when gloo lets go of it (we hold no other reference, so memory is reused as soon as
+      before).
+
+    :meth:`wait_idle` (when a communicator is released, and at exit) waits for both.
+    Operations that never complete (after a failure; a cancelled receive, whose buffer is
+    kept for the life of the process) are not waited for.
+    """
+
+    def __init__(self) -> None:
+        self._live: set = set()
+        self._tensors: List["weakref.ReferenceType[torch.Tensor]"] = []
+        self._lock = threading.Lock()
+        _KEEPERS.add(self)
+
+    def wrap(self, fn: Callable[[Any], None]) -> "_TrackedCallback":
+        return _TrackedCallback(fn, self._live)
+
+    def watch(self, tensor: torch.Tensor) -> None:
+        """Remember ``tensor`` until gloo has let go of it."""
+        with self._lock:
+            self._tensors = [ref for ref in self._tensors if ref() is not None]
+            self._tensors.append(weakref.ref(tensor))
+
+    def _busy(self) -> bool:
+        with self._lock:
+            self._tensors = [ref for ref in self._tensors if ref() is not None]
+            return bool(self._live or self._tensors)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until gloo's threads let go of everything; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._busy():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+
+class _TrackedCallback:
+    __slots__ = ("_fn", "_live")
+
+    def __init__(self, fn: Callable[[Any], None], live: set) -> None:
+        self._fn = fn
+        self._live = live
+
+    def __call__(self, future: Any) -> None:
+        fn, self._fn = self._fn, None
+        if fn is None:
+            return
+        self._live.add(id(self))
+        fn(future)
+
+    def __del__(self) -> None:
+        self._live.discard(id(self))
+
+
+_KEEPERS: "weakref.WeakSet[_Keeper]" = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_gloo() -> None:
+    # Runs before the interpreter is torn down, also when a script never closes its
+    # scheduler; 5 s in all bounds it if a backend thread is stuck.
+    deadline = time.monotonic() + 5.0
+    for keeper in list(_KEEPERS):
+        keeper.wait_idle(max(0.0, deadline - time.monotonic()))
 
 
 def _view(piece) -> torch.Tensor:
@@ -187,6 +273,8 @@ class TorchCommunicator:
         self.claimed = False
         self._cuda: Dict[int, _CudaCompletion] = {}
         self._cuda_lock = threading.Lock()
+        self._keeper = _Keeper()
+        self._abandoned: List[torch.Tensor] = []
 
     # ------------------------------------------------------------------ order channel
 
@@ -206,7 +294,8 @@ class TorchCommunicator:
     def publish(self, message: Sequence[int]) -> None:
         """Send ``message`` to every follower with async broadcasts (leader only)."""
         while self._sent and self._sent[0][0].done():
-            future, _ = self._sent.popleft()
+            future, frame = self._sent.popleft()
+            self._keeper.watch(frame)
             future.wait()  # raises if the broadcast failed
         for frame in to_frames(message):
             work = dist.broadcast(frame, src=self._leader_rank, group=self._control, async_op=True)
@@ -220,11 +309,12 @@ class TorchCommunicator:
             work = dist.broadcast(frame, src=self._leader_rank, group=self._control, async_op=True)
             future = work.get_future()
             arrived = threading.Event()
-            future.add_done_callback(lambda _: arrived.set())
+            future.add_done_callback(self._keeper.wrap(lambda _: arrived.set()))
             while not arrived.wait(0.1):
                 if cancel.is_set():
                     # The broadcast stays posted inside gloo and would swallow the next
                     # frame, so this channel must not carry another scheduler's order.
+                    self._abandoned.append(frame)  # gloo keeps it: never free it
                     self._receive_buffer = torch.zeros(_FRAME_WORDS, dtype=torch.int64)
                     self.broken = True
                     return None
@@ -245,6 +335,9 @@ class TorchCommunicator:
         work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
 
         def finish(future: torch.futures.Future) -> None:
+            # Watched from completion on: gloo lets go of it right after this. (An
+            # operation that never completes, after a failure, is not waited for.)
+            self._keeper.watch(tensor)
             try:
                 future.wait()
                 if len(views) > 1:
@@ -254,7 +347,7 @@ class TorchCommunicator:
                 return
             done(None)
 
-        work.get_future().add_done_callback(finish)
+        work.get_future().add_done_callback(self._keeper.wrap(finish))
 
     @staticmethod
     def _scatter(fused: torch.Tensor, views: List[torch.Tensor], pieces) -> None:
@@ -270,6 +363,7 @@ class TorchCommunicator:
                 stream.wait_event(ready)
         tensor = views[0] if len(views) == 1 else torch.cat(views)
         work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
+        self._keeper.watch(tensor)
         work.wait()  # the current stream waits for the collective; the host does not
         if len(views) > 1:
             self._scatter(tensor, views, op.pieces)
@@ -292,5 +386,7 @@ class TorchCommunicator:
             waiters, self._cuda = list(self._cuda.values()), {}
         for waiter in waiters:
             waiter.close()
+        if not self._keeper.wait_idle(10.0):
+            logger.warning("gloo has not let go of a finished operation's tensors after 10 s")
         with self._pools_lock:
             self.claimed = False

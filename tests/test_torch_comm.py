@@ -1,0 +1,86 @@
+"""TorchCommunicator's exit safety: gloo's threads never free a Python object at exit.
+
+A gloo thread takes the GIL to free a done-callback it has run and to drop its reference
+to a tensor's Python object; if the script has ended by then, the process aborts with
+"terminate called without an active exception" (seen in CI, in the DDP hook example).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from bytescheduler.pytorch.comm import _Keeper
+from tests.distributed import free_port, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_keeper_waits_for_a_callback_that_ran_until_it_is_freed():
+    keeper = _Keeper()
+    seen = []
+    future = torch.futures.Future()
+    callback = keeper.wrap(seen.append)
+    never_run = keeper.wrap(seen.append)  # a callback that never runs is not waited for
+    future.add_done_callback(callback)
+    assert keeper.wait_idle(0.0)
+    future.set_result(1)
+    assert len(seen) == 1
+    assert not keeper.wait_idle(0.05)  # ran, but we still hold it: not yet freed
+    del callback
+    assert keeper.wait_idle(1.0)
+    del never_run
+
+
+def _watch_while_work_lives(rank, world_size):
+    import torch.distributed as dist
+
+    keeper = _Keeper()
+    tensor = torch.ones(1000).narrow(0, 0, 500)
+    work = dist.all_reduce(tensor, async_op=True)
+    keeper.watch(tensor)
+    del tensor  # only the work holds it now, and the keeper does not keep it alive
+    work.wait()
+    idle_while_held = keeper.wait_idle(0.1)
+    del work
+    idle_after = keeper.wait_idle(5.0)
+    return idle_while_held, idle_after
+
+
+def test_keeper_waits_until_the_work_lets_go_of_a_tensor():
+    [(idle_while_held, idle_after)] = run_ranks(_watch_while_work_lives, 1, deadline=60)
+    assert idle_while_held is False and idle_after is True
+
+
+_ENDS_AT_ONCE = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch, torch.distributed as dist
+    import bytescheduler.pytorch.comm as comm
+    from bytescheduler.core.task import Operation, Piece, Task
+
+    class SlowToFree:  # lets go of the GIL while it is being freed, like any blocking __del__
+        def __del__(self):
+            time.sleep(0.3)
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+    communicator = comm.TorchCommunicator.for_group(None, timeout=30.0)
+    called = threading.Event()
+
+    def done(error, slow=SlowToFree()):  # only the callback refers to the SlowToFree
+        called.set()
+
+    task = Task(key=0, numel=1000, itemsize=4, priority=0, payload=torch.ones(1000))
+    communicator.launch(Operation([Piece(task, 0, 1000)], 0, 0), done)
+    del done, task
+    called.wait(30)  # done: end the script while gloo's thread may still be freeing things
+    """
+)
+
+
+def test_script_ending_right_after_a_completion_exits_cleanly():
+    run = subprocess.run([sys.executable, "-c", _ENDS_AT_ONCE, str(free_port())], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "terminate called" not in run.stderr, (run.returncode, run.stderr[-2000:])
