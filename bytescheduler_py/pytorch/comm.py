@@ -79,13 +79,14 @@ class _Keeper:
       it has run (inside the call, where a thread may exit harmlessly) and is recorded, in
       a set changed by single calls (never blocking, never letting go of the GIL), from
       the moment it runs until it is freed;
-    - every tensor of a completed operation is watched through a weak reference: it dies
-      when gloo lets go of it (we hold no other reference, so memory is reused as soon as
-      before).
+    - every tensor handed to gloo is watched through a weak reference from its launch on:
+      it dies when gloo lets go of it (we hold no other reference, so memory is reused as
+      soon as before).
 
-    :meth:`wait_idle` (when a communicator is released, and at exit) waits for both.
-    Operations that never complete (after a failure; a cancelled receive, whose buffer is
-    kept for the life of the process) are not waited for.
+    :meth:`wait_idle` (when a communicator is released, and at exit) waits for both, also
+    for operations still in flight after a failure (gloo fails them within its timeout).
+    A cancelled receive's buffer, which gloo never lets go of, is kept for the life of
+    the process and not waited for.
     """
 
     def __init__(self) -> None:
@@ -333,11 +334,9 @@ class TorchCommunicator:
             return
         tensor = first if len(views) == 1 else torch.cat(views)
         work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
+        self._keeper.watch(tensor)
 
         def finish(future: torch.futures.Future) -> None:
-            # Watched from completion on: gloo lets go of it right after this. (An
-            # operation that never completes, after a failure, is not waited for.)
-            self._keeper.watch(tensor)
             try:
                 future.wait()
                 if len(views) > 1:
@@ -386,6 +385,8 @@ class TorchCommunicator:
             waiters, self._cuda = list(self._cuda.values()), {}
         for waiter in waiters:
             waiter.close()
+        while self._sent and self._sent[0][0].done():  # watch the order frames sent
+            self._keeper.watch(self._sent.popleft()[1])
         if not self._keeper.wait_idle(10.0):
             logger.warning("gloo has not let go of a finished operation's tensors after 10 s")
         with self._pools_lock:
