@@ -21,7 +21,20 @@ import numpy as np
 from bytescheduler.mxnet.launch import run_worker
 
 SIDE = 400
-PRODUCTS = 60
+# The slow array must take well over the test's 0.1 s to compute on any machine: the chain's
+# length is set from a timed sample of products (a fixed count took only 95 ms on one CI machine).
+SLOW_SECONDS = 0.4
+
+
+def products_for(seconds: float, factor) -> int:
+    sample = 10
+    began = time.perf_counter()
+    product = factor
+    for _ in range(sample):
+        product = mx.nd.dot(product, factor)
+    product.wait_to_read()
+    each = (time.perf_counter() - began) / sample
+    return max(sample, int(seconds / each) + 1)
 
 
 def main(trace_dir: str) -> None:
@@ -34,8 +47,9 @@ def main(trace_dir: str) -> None:
     factor = mx.nd.ones((SIDE, SIDE)) / SIDE
     fast = mx.nd.ones((100,)) * (kv.rank + 1)
     mx.nd.waitall()
+    products = products_for(SLOW_SECONDS, factor)
     slow = factor
-    for _ in range(PRODUCTS):  # queued on the engine; computed over the next fraction of a second
+    for _ in range(products):  # queued on the engine; computed over the next fraction of a second
         slow = mx.nd.dot(slow, factor)
     called = time.time()
     computed = []
