@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import Scheduler, Task
 from ..core.errors import ByteSchedulerError, CommunicationTimeout
 from ..core.log import logger
+from .heap import raise_malloc_thresholds
 
 IDLE, QUEUED, COMMUNICATED = 0, 1, 2
 
@@ -209,6 +210,9 @@ class OverlapEngine:
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
             if own:
                 self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(own)))
+        # Gradients are freed while the next forward runs; keep glibc from returning their
+        # memory to the kernel each time (see heap.py: ~5,000 page faults per iteration).
+        raise_malloc_thresholds()
         self._updater = threading.Thread(target=self._run_updater, name="bytescheduler-update", daemon=True)
         self._updater.start()
         _ReadGuard._engines.add(self)
