@@ -1,5 +1,6 @@
 """TcpOrderChannel: rank 0's decisions reach every follower in order over real sockets (127.0.0.1)."""
 
+import socket
 import threading
 import time
 
@@ -10,11 +11,11 @@ from bytescheduler.core.ordering import STOP, decode, encode_ops, encode_stop
 from bytescheduler.core.tcp_channel import TcpOrderChannel
 
 
-def connected(world_size: int, timeout: float = 5.0):
+def connected(world_size: int, timeout: float = 5.0, token: int = 0):
     leader = TcpOrderChannel(0, timeout)
-    port = leader.serve(world_size)
+    port = leader.serve(world_size, token=token)
     followers = [TcpOrderChannel(rank, timeout) for rank in range(1, world_size)]
-    threads = [threading.Thread(target=f.join, args=(("127.0.0.1", port),)) for f in followers]
+    threads = [threading.Thread(target=f.join, args=(("127.0.0.1", port), token)) for f in followers]
     for thread in threads:
         thread.start()
     leader.accept()
@@ -84,3 +85,60 @@ def test_a_scheduler_stopped_before_connecting_stops_cleanly():
     assert follower.receive(threading.Event()) == [epoch, STOP]
     with pytest.raises(CommunicationError, match="not connected"):
         leader.publish(encode_ops(epoch, [(0, [(1, 0, 0, 1)])]))
+
+
+def test_followers_with_the_token_connect():
+    leader, followers = connected(3, token=2**61 + 12345)
+    try:
+        assert leader.connected and all(f.connected for f in followers)
+        leader.publish([7, 8, 9])
+        assert [f.receive(threading.Event()) for f in followers] == [[7, 8, 9]] * 2
+    finally:
+        leader.close()
+        for follower in followers:
+            follower.close()
+
+
+def test_a_wrong_token_is_refused_on_both_ends():
+    leader = TcpOrderChannel(0, 5.0)
+    port = leader.serve(2, token=111)
+    follower = TcpOrderChannel(1, 5.0)
+    errors = []
+
+    def join():
+        try:
+            follower.join(("127.0.0.1", port), 222, timeout=5.0)
+        except CommunicationError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    with pytest.raises(CommunicationError, match="unexpected ordering connection .*token wrong"):
+        leader.accept(timeout=5.0)
+    thread.join(5)
+    assert errors and "did not answer as rank 0's ordering channel" in str(errors[0])
+    leader.close()
+    follower.close()
+
+
+def test_another_service_at_the_address_is_not_taken_for_rank_0():
+    """A server that accepts but is not an ordering channel (it closes, or answers something else)."""
+    for answer in (b"", b"HTTP/1.1"):
+        server = socket.create_server(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+
+        def serve_once(server=server, answer=answer):
+            sock, _ = server.accept()
+            sock.recv(64)
+            if answer:
+                sock.sendall(answer)
+            sock.close()
+
+        thread = threading.Thread(target=serve_once)
+        thread.start()
+        follower = TcpOrderChannel(1, 5.0)
+        with pytest.raises(CommunicationError, match="rank 0's ordering channel"):
+            follower.join(("127.0.0.1", port), 5, timeout=3.0)
+        assert not follower.connected
+        thread.join(5)
+        server.close()

@@ -1,4 +1,5 @@
-"""TorchCommunicator's exit safety: gloo's threads never free a Python object at exit.
+"""TorchCommunicator: the order channel (TCP, or gloo when a rank cannot reach rank 0), and
+exit safety: gloo's threads never free a Python object at exit.
 
 A gloo thread takes the GIL to free a done-callback it has run and to drop its reference
 to a tensor's Python object; if the script has ended by then, the process aborts with
@@ -9,7 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
+import pytest
 import torch
 
 from bytescheduler.pytorch.comm import _Keeper
@@ -84,3 +87,37 @@ def test_script_ending_right_after_a_completion_exits_cleanly():
     run = subprocess.run([sys.executable, "-c", _ENDS_AT_ONCE, str(free_port())], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "terminate called" not in run.stderr, (run.returncode, run.stderr[-2000:])
+
+
+def _schedule_sums(rank, world_size, unreachable_rank):
+    import bytescheduler.pytorch.comm as comm
+    from bytescheduler.core import Scheduler, Task
+    from bytescheduler.core.errors import CommunicationError
+
+    if rank == unreachable_rank:
+        def cannot_connect(self, address, token=0, timeout=None):
+            raise CommunicationError(f"rank {rank}: no route to {address}")
+        comm.TcpOrderChannel.join = cannot_connect
+    communicator = comm.TorchCommunicator.for_group(None, timeout=30.0)
+    scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, partition_bytes=256,
+                          credit_bytes=512)
+    tensors = [torch.full((100,), float((rank + 1) * (key + 1))) for key in range(6)]
+    futures = []
+    for key, tensor in enumerate(tensors):
+        futures.append(scheduler.submit(Task(key=key, numel=100, itemsize=4, priority=-key, payload=tensor,
+                                             fuse_key="f32")))
+        if rank == 1:
+            time.sleep(0.003)  # ready in another rhythm than rank 0: the order must come from rank 0
+    for future in futures:
+        future.result(timeout=30)
+    scheduler.stop()
+    communicator.release()
+    return communicator._order is not None, [tensor.unique().tolist() for tensor in tensors]
+
+
+@pytest.mark.parametrize("unreachable_rank", [None, 1, 2])
+def test_decisions_travel_over_tcp_or_every_rank_falls_back_to_gloo(unreachable_rank):
+    outcomes = run_ranks(_schedule_sums, 3, args=(unreachable_rank,), deadline=90)
+    expected = [[6.0 * (key + 1)] for key in range(6)]
+    assert [sums for _, sums in outcomes] == [expected] * 3
+    assert {tcp for tcp, _ in outcomes} == {unreachable_rank is None}

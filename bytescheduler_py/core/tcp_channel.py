@@ -4,7 +4,10 @@ A parameter server offers push and pull but no way for one worker to tell the ot
 something. Rank 0 listens on a TCP port; every other rank connects to it once, and rank 0
 sends each message (a list of int64, see :mod:`bytescheduler.core.ordering`) to every
 follower as ``[count: int64][count x int64]``, little-endian. How the followers learn rank
-0's address is up to the adapter (``ScheduledKVStore`` passes it through the store itself).
+0's address is up to the adapter (``ScheduledKVStore`` passes it through the store itself,
+the torch.distributed backend over a gloo group). A follower opens with its rank and a
+token rank 0 chose; rank 0 answers with the token, so a follower given a wrong address
+never mistakes another service for rank 0.
 
 >>> leader = TcpOrderChannel(rank=0, timeout=5.0)
 >>> leader.serve(world_size=1), leader.is_leader, leader.connected
@@ -26,6 +29,7 @@ from .errors import CommunicationError, CommunicationTimeout
 from .ordering import STOP, encode_stop
 
 _COUNT = struct.Struct("<q")
+_HELLO = struct.Struct("<qq")  # a follower's rank and the token
 
 
 def local_address(peer_host: Optional[str] = None) -> str:
@@ -81,14 +85,19 @@ class TcpOrderChannel:
         self._followers: List[socket.socket] = []
         self._leader: Optional[socket.socket] = None
         self._expected = 0
+        self._token = 0
         self._epochs = 0
         self.connected = False
 
     # ------------------------------------------------------------------ set-up
 
-    def serve(self, world_size: int, host: str = "0.0.0.0") -> int:
-        """Rank 0: start listening for the other ``world_size - 1`` ranks; return the port."""
+    def serve(self, world_size: int, host: str = "0.0.0.0", token: int = 0) -> int:
+        """Rank 0: start listening for the other ``world_size - 1`` ranks; return the port.
+
+        Followers must :meth:`join` with the same ``token``.
+        """
         self._expected = world_size - 1
+        self._token = token
         if self._expected > 0:
             self._listener = socket.create_server((host, 0), backlog=max(8, world_size))
         else:
@@ -99,26 +108,38 @@ class TcpOrderChannel:
     def port(self) -> int:
         return self._listener.getsockname()[1] if self._listener is not None else 0
 
-    def accept(self) -> None:
-        """Wait until every other rank connected (rank 0)."""
-        deadline = time.monotonic() + self.timeout
+    def accept(self, timeout: Optional[float] = None) -> None:
+        """Wait until every other rank connected (rank 0); ``timeout`` defaults to the channel's."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         seen = set()
         while len(self._followers) < self._expected:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CommunicationTimeout(
                     f"rank 0: {len(self._followers)} of {self._expected} ranks connected to the ordering "
-                    f"channel within {self.timeout} s; is every worker running?")
-            self._listener.settimeout(remaining)
+                    f"channel within {limit} s; is every worker running?")
+            listener = self._listener
+            if listener is None:
+                raise CommunicationError("rank 0: the ordering channel was closed while waiting for the ranks")
+            # Short waits: closing the listener from another thread does not wake accept().
+            listener.settimeout(min(remaining, 0.2))
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except socket.timeout:
                 continue
-            sock.settimeout(self.timeout)
-            rank = _COUNT.unpack(_read_exact(sock, _COUNT.size, None))[0]
-            if rank in seen or not 0 < rank <= self._expected:
+            sock.settimeout(max(0.1, remaining))
+            try:
+                rank, token = _HELLO.unpack(_read_exact(sock, _HELLO.size, None))
+            except (OSError, CommunicationError):
+                sock.close()  # not one of ours (or it gave up): keep waiting for the ranks
+                continue
+            if token != self._token or rank in seen or not 0 < rank <= self._expected:
                 sock.close()
-                raise CommunicationError(f"rank 0: unexpected ordering connection from rank {rank}")
+                raise CommunicationError(
+                    f"rank 0: unexpected ordering connection (rank {rank}, token {'ok' if token == self._token else 'wrong'})")
+            sock.sendall(_COUNT.pack(self._token))
+            sock.settimeout(self.timeout)
             seen.add(rank)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._followers.append(sock)
@@ -127,9 +148,14 @@ class TcpOrderChannel:
             self._listener = None
         self.connected = True
 
-    def join(self, address: Tuple[str, int]) -> None:
-        """A follower: connect to rank 0 at ``address``, retrying until the timeout."""
-        deadline = time.monotonic() + self.timeout
+    def join(self, address: Tuple[str, int], token: int = 0, timeout: Optional[float] = None) -> None:
+        """A follower: connect to rank 0 at ``address``, retrying until ``timeout`` (default: the channel's).
+
+        Raises :class:`CommunicationError` when whatever answers there is not rank 0 (no
+        answer with ``token``).
+        """
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while True:
             try:
                 sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
@@ -138,10 +164,21 @@ class TcpOrderChannel:
                 if time.monotonic() > deadline:
                     raise CommunicationTimeout(
                         f"rank {self.rank}: could not connect to rank 0's ordering channel at {address[0]}:"
-                        f"{address[1]} within {self.timeout} s ({error})") from None
+                        f"{address[1]} within {limit} s ({error})") from None
                 time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(_COUNT.pack(self.rank))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_HELLO.pack(self.rank, token))
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            answer = _COUNT.unpack(_read_exact(sock, _COUNT.size, None))[0]
+        except (OSError, CommunicationError) as error:
+            sock.close()
+            raise CommunicationError(
+                f"rank {self.rank}: {address[0]}:{address[1]} did not answer as rank 0's ordering channel "
+                f"({error})") from None
+        if answer != token:
+            sock.close()
+            raise CommunicationError(f"rank {self.rank}: {address[0]}:{address[1]} is not rank 0's ordering channel")
         sock.settimeout(None)
         self._leader = sock
         self.connected = True
