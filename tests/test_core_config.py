@@ -19,6 +19,7 @@ ENV_NAMES = [
     "BYTESCHEDULER_TIMEOUT",
     "BYTESCHEDULER_MERGE",
     "BYTESCHEDULER_FAST_LANE",
+    "BYTESCHEDULER_CYCLE_TIME",
 ]
 
 
@@ -96,6 +97,7 @@ def test_defaults():
     assert config.fast_lane_bytes == 1024**2
     assert config.timeout == 300.0
     assert config.timeline is None and config.log_level is None
+    assert config.cycle_ms == 0.0
 
 
 def test_config_is_frozen():
@@ -200,6 +202,21 @@ def test_bad_boolean(value):
 def test_timeouts(value, expected):
     assert resolve({"BYTESCHEDULER_TIMEOUT": value}).timeout == expected
     assert resolve(timeout=value).timeout == expected
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0.0), ("2", 2.0), ("0.5", 0.5)])
+def test_cycle_times(value, expected):
+    assert resolve({"BYTESCHEDULER_CYCLE_TIME": value}).cycle_ms == expected
+    assert resolve(cycle_ms=value).cycle_ms == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "soon", "2ms"])
+def test_bad_cycle_time(value):
+    with pytest.raises(ValueError) as info:
+        resolve({"BYTESCHEDULER_CYCLE_TIME": value})
+    assert "BYTESCHEDULER_CYCLE_TIME" in str(info.value) and "milliseconds" in str(info.value)
+    with pytest.raises(ValueError, match="cycle_ms="):
+        resolve(cycle_ms=value)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon", "1s"])

@@ -946,3 +946,71 @@ def test_payload_is_released_when_the_task_is_done_without_the_garbage_collector
         assert task.payload is None and alive() is None
     finally:
         gc.enable()
+
+
+# --- cycle: holding queued work briefly so it merges ------------------------------------
+def _launch_delay(backend, submitted_at, count=1):
+    backend.wait_launched(count)
+    return time.monotonic() - submitted_at
+
+
+def test_cycle_holds_small_work_then_merges_it_into_one_operation(cleanup):
+    backend = cleanup.backend()
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=300)
+    started = time.monotonic()
+    futures = []
+    for key in range(3):  # arrive a little apart, as a layer's gradients do in backward
+        futures.append(s.submit(make_task(key, 10, fuse_key="a")))
+        time.sleep(0.02)
+    results(futures)
+    assert time.monotonic() - started >= 0.25  # held for the cycle, not sent at once
+    assert [r.keys for r in backend.ops] == [[0, 1, 2]]
+
+
+def test_without_a_cycle_each_arrival_goes_alone(cleanup):
+    backend = cleanup.backend()
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=0)
+    futures = []
+    for key in range(3):
+        futures.append(s.submit(make_task(key, 10, fuse_key="a")))
+        backend.wait_launched(key + 1)
+    results(futures)
+    assert [r.keys for r in backend.ops] == [[0], [1], [2]]
+
+
+def test_end_burst_launches_held_work_at_once_and_the_next_burst_is_held_again(cleanup):
+    backend = cleanup.backend()
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=400)
+    started = time.monotonic()
+    first = [s.submit(make_task(k, 10, fuse_key="a")) for k in range(2)]
+    s.end_burst()
+    results(first)
+    assert time.monotonic() - started < 0.3
+    assert [r.keys for r in backend.ops] == [[0, 1]]
+    started = time.monotonic()
+    second = s.submit(make_task(2, 10, fuse_key="a"))
+    assert _launch_delay(backend, started, 2) >= 0.3  # a new cycle began with the empty queue
+    results([second])
+
+
+def test_a_full_operation_is_not_held(cleanup):
+    backend = cleanup.backend()
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=60_000)
+    started = time.monotonic()
+    futures = [s.submit(make_task(k, 50, fuse_key="a")) for k in range(2)]
+    results(futures)
+    assert time.monotonic() - started < WAIT
+    assert [r.keys for r in backend.ops] == [[0, 1]]
+
+
+@pytest.mark.parametrize("finish", ["flush", "stop"])
+def test_flush_and_stop_do_not_wait_for_the_cycle(cleanup, finish):
+    backend = cleanup.backend()
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=60_000)
+    started = time.monotonic()
+    future = s.submit(make_task(0, 10))
+    if finish == "flush":
+        s.flush(timeout=WAIT)
+    else:
+        s.stop()
+    assert future.done() and time.monotonic() - started < WAIT

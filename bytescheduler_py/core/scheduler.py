@@ -73,8 +73,8 @@ class Scheduler:
         rank: this process's rank, for logs and the timeline.
         config: a :class:`SchedulerConfig`; keyword arguments (``partition_bytes``,
             ``credit_bytes``, ``merge``, ``fast_lane_bytes``, ``timeout``, ``timeline``,
-            ``log_level``, ``auto_tune``) override it and the ``BYTESCHEDULER_*``
-            environment variables.
+            ``log_level``, ``auto_tune``, ``cycle_ms``) override it and the
+            ``BYTESCHEDULER_*`` environment variables.
         tuning_agree: with ``auto_tune`` and no channel, maps this rank's measured step
             time to the value every rank uses (e.g. a broadcast from rank 0), for backends
             whose ranks must partition alike; None when each rank may tune alone.
@@ -111,6 +111,11 @@ class Scheduler:
 
         self._cond = threading.Condition(threading.Lock())
         self._heap: List[Piece] = []
+        # Leader: bytes in the heap, when the heap last became non-empty, and whether the
+        # adapter said the burst is over (see SchedulerConfig.cycle_ms).
+        self._queued_bytes = 0
+        self._hold_since = 0.0
+        self._hurry = False
         self._credit = CreditWindow(config.credit_bytes)
         self._fast_credit: Optional[CreditWindow] = None
         if self._lanes > 1 and config.fast_lane_bytes > 0:
@@ -176,10 +181,12 @@ class Scheduler:
                 task.generation = generation
                 self._pending[(task.key, generation)] = task
                 if self._leader:
+                    was_empty = not self._heap
                     self._push_pieces(task, now)
                     # While the credit is full (most of a backward pass on a slow link) there
-                    # is nothing to launch; a completion wakes the dispatcher then.
-                    if self._sleepers and self._ready_to_take():
+                    # is nothing to launch; a completion wakes the dispatcher then. Work held
+                    # for merging wakes it once, to time the hold.
+                    if self._sleepers and (self._ready_to_take(now) or (was_empty and self._cycle > 0)):
                         self._cond.notify_all()
                 else:
                     self._undecided_elements += task.numel
@@ -198,6 +205,7 @@ class Scheduler:
         limit = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._cond:
+            self._end_burst_locked()
             while self._pending and self._error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -208,6 +216,27 @@ class Scheduler:
                     )
                 self._sleep(min(remaining, _WATCH_INTERVAL))
             self._raise_error()
+
+    def end_burst(self) -> None:
+        """Tell the scheduler no more tensors are coming soon (e.g. backward has ended).
+
+        What is queued stops waiting to be merged (``cycle_ms``) and goes out as the credit
+        allows; the next tensor submitted after the queue empties starts a new cycle.
+        Costs nothing when ``cycle_ms`` is 0.
+        """
+        if self._cycle > 0:
+            with self._cond:
+                self._end_burst_locked()
+
+    def _end_burst_locked(self) -> None:
+        if self._heap and not self._hurry:
+            self._hurry = True
+            if self._sleepers:
+                self._cond.notify_all()
+
+    @property
+    def _cycle(self) -> float:
+        return self.config.cycle_ms / 1000.0
 
     def check(self) -> None:
         """Raise the error of a failed communication operation, if any."""
@@ -358,6 +387,7 @@ class Scheduler:
         failed = list(self._pending.values())
         self._pending.clear()
         self._heap.clear()
+        self._queued_bytes = 0
         self._in_flight.clear()  # late completions of these are ignored
         self._decided.clear()
         self._cond.notify_all()
@@ -393,10 +423,25 @@ class Scheduler:
     # ------------------------------------------------------------------ leader
 
     def _push_pieces(self, task: Task, now: float) -> None:
+        if not self._heap:
+            self._hold_since = now
         for start, stop in partition_ranges(task.numel, task.itemsize, self.config.partition_bytes):
             piece = Piece(task, start, stop)
             piece.queued_time = now
             heapq.heappush(self._heap, piece)
+        self._queued_bytes += task.nbytes
+
+    def _hold_remaining(self, now: float) -> float:
+        """Seconds the queued work may still wait for more to merge with; 0 when it must go (lock held).
+
+        Work is held while less than one operation's worth (``partition_bytes``) is queued,
+        for at most ``cycle_ms`` after the queue became non-empty, unless the burst ended
+        or the scheduler is stopping.
+        """
+        cycle = self._cycle
+        if cycle <= 0 or self._hurry or self._stopping or self._queued_bytes >= self.config.partition_bytes:
+            return 0.0
+        return max(0.0, self._hold_since + cycle - now)
 
     def _window(self, piece: Piece) -> Tuple[CreditWindow, int, int]:
         """The credit window, lane and merge limit for an operation starting with ``piece``.
@@ -417,9 +462,9 @@ class Scheduler:
                 return fast, 1, piece.nbytes
         return self._credit, 0, self.config.partition_bytes
 
-    def _ready_to_take(self) -> bool:
-        """True when the most urgent queued piece fits its credit (leader, lock held)."""
-        if not self._heap:
+    def _ready_to_take(self, now: float) -> bool:
+        """True when the most urgent queued piece may go now and fits its credit (leader, lock held)."""
+        if not self._heap or self._hold_remaining(now) > 0:
             return False
         window, _, _ = self._window(self._heap[0])
         return window.admits(self._heap[0].nbytes)
@@ -435,6 +480,8 @@ class Scheduler:
         heap = self._heap
         merge = self.config.merge
         ops: List[Operation] = []
+        if heap and self._hold_remaining(time.perf_counter()) > 0:
+            return ops
         while heap:
             window, lane, limit = self._window(heap[0])
             if not window.admits(heap[0].nbytes):
@@ -456,10 +503,13 @@ class Scheduler:
                     pieces.append(heapq.heappop(heap))
                     total = size
             window.take(total)
+            self._queued_bytes -= total
             op = Operation(pieces, lane, next(self._op_ids))
             op.launch_time = time.perf_counter()  # in flight from now on (deadline check)
             self._in_flight[op.op_id] = op
             ops.append(op)
+        if not heap:
+            self._hurry = False  # the next tensor starts a new cycle
         return ops
 
     def _lane_window(self, lane: int) -> CreditWindow:
@@ -485,7 +535,8 @@ class Scheduler:
                         if ops or self._drained():
                             break
                         self._check_deadlines(now)
-                        self._sleep(_WATCH_INTERVAL)
+                        held = self._hold_remaining(now) if self._leader and self._heap else 0.0
+                        self._sleep(min(held, _WATCH_INTERVAL) if held > 0 else _WATCH_INTERVAL)
                 if not ops:
                     if self._leader and self._channel is not None:
                         self._channel.publish(encode_stop(self._epoch))

@@ -36,7 +36,7 @@ class ScheduledHookState:
             state is collective over the default group, like ``dist.new_group``: processes
             outside the group create one too, passing what ``dist.new_group`` returned to
             them; theirs is inert.
-        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune:
+        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune, cycle_ms:
             see :class:`bytescheduler.core.SchedulerConfig`; None means the environment
             variable (``BYTESCHEDULER_PARTITION``, ...) or the default, which for the hook
             is 64 MiB pieces and a 256 MiB credit (:data:`HOOK_DEFAULTS`: whole buckets).
@@ -59,6 +59,7 @@ class ScheduledHookState:
         timeline: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
         auto_tune: Optional[bool] = None,
+        cycle_ms: Optional[float] = None,
     ) -> None:
         config = SchedulerConfig.resolve(
             defaults=HOOK_DEFAULTS,
@@ -69,6 +70,7 @@ class ScheduledHookState:
             timeout=timeout,
             timeline=timeline,
             auto_tune=auto_tune,
+            cycle_ms=cycle_ms,
         )
         self.communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
         self.scheduler: Optional[Scheduler] = None
@@ -140,6 +142,8 @@ def scheduled_allreduce_hook(
         context=ready,
     )
     communicated = state.scheduler.submit(task)
+    if bucket.is_last():  # nothing more comes this iteration: stop holding buckets to merge
+        state.scheduler.end_burst()
     # DDP reads the future from C++, where only an error raised inside ``then`` counts as
     # an error (a Python-side set_exception would reach DDP as a value it cannot cast).
     communicated.add_done_callback(lambda done: outcome.set_result(done.exception() or buffer))

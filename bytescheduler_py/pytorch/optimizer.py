@@ -29,6 +29,12 @@ from ..core.config import Size
 from .comm import TorchCommunicator
 from .overlap import OverlapEngine
 
+# A layer's gradients arrive milliseconds apart in backward; on a fast link each would go
+# out alone, and an operation's fixed cost (Python, gloo's threads, the order message)
+# is then most of its cost. Holding queued work up to 2 ms to merge it (until step()
+# ends the burst) measured 0.95-0.97x of DDP on loopback against 0.87-0.90x without.
+OPTIMIZER_DEFAULTS = SchedulerConfig(cycle_ms=2.0)
+
 
 class _ScheduledMethods:
     """Methods of the dynamic subclass; ``_bytescheduler`` is the engine, ``_bytescheduler_base`` the user's class."""
@@ -110,6 +116,7 @@ def ScheduledOptimizer(
     backward_passes_per_step: int = 1,
     broadcast_parameters: bool = True,
     auto_tune: Optional[bool] = None,
+    cycle_ms: Optional[float] = None,
 ):
     """Wrap ``optimizer`` so that communication overlaps the next forward (torch.distributed).
 
@@ -118,8 +125,9 @@ def ScheduledOptimizer(
         optimizer: any torch optimizer; its class, hyperparameters and state are kept.
         process_group: the group to average over (default: the whole world). Creating the
             optimizer is collective over the default group, like ``dist.new_group``.
-        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune:
-            see :class:`bytescheduler.core.SchedulerConfig` (None: environment or default).
+        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune,
+            cycle_ms: see :class:`bytescheduler.core.SchedulerConfig` (None: environment or
+            default; :data:`OPTIMIZER_DEFAULTS` holds work up to 2 ms to merge it).
         backward_passes_per_step: backward passes to accumulate locally before
             communicating (gradient accumulation); a step after fewer passes communicates
             what was accumulated.
@@ -137,8 +145,9 @@ def ScheduledOptimizer(
     if hasattr(optimizer, "_bytescheduler"):
         raise TypeError("this optimizer is already wrapped by bytescheduler")
     config = SchedulerConfig.resolve(
-        partition_bytes=partition_bytes, credit_bytes=credit_bytes, merge=merge,
+        defaults=OPTIMIZER_DEFAULTS, partition_bytes=partition_bytes, credit_bytes=credit_bytes, merge=merge,
         fast_lane_bytes=fast_lane_bytes, timeout=timeout, timeline=timeline, auto_tune=auto_tune,
+        cycle_ms=cycle_ms,
     )
     communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
     if communicator is None:

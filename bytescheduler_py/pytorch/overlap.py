@@ -355,6 +355,8 @@ class OverlapEngine:
                 ]
                 self._snapshot_users[step] = users
             self._cond.notify_all()
+        # Backward is over: nothing more will come to merge with what is queued.
+        self.scheduler.end_burst()
         self.scheduler.step_boundary()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
