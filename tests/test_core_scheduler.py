@@ -1014,3 +1014,34 @@ def test_flush_and_stop_do_not_wait_for_the_cycle(cleanup, finish):
     else:
         s.stop()
     assert future.done() and time.monotonic() - started < WAIT
+
+
+# --- wake-ups: a completion wakes only who waits for it, and promptly ----------------------
+# Both checks are well under the 0.5 s watch interval, which would hide a missing wake-up.
+def test_flush_returns_promptly_when_the_last_operation_completes(cleanup):
+    backend = cleanup.backend("manual")
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000)
+    s.submit(make_task(0, 10))
+    backend.wait_launched(1)
+    returned = []
+    flusher = threading.Thread(target=lambda: (s.flush(timeout=WAIT), returned.append(time.monotonic())))
+    flusher.start()
+    time.sleep(0.05)  # the flusher is asleep on the scheduler
+    completed = time.monotonic()
+    backend.release()
+    flusher.join(WAIT)
+    assert returned and returned[0] - completed < 0.2, returned
+
+
+def test_a_completion_that_frees_credit_launches_queued_work_promptly(cleanup):
+    backend = cleanup.backend("manual")
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=100)
+    futures = [s.submit(make_task(key, 100)) for key in range(2)]
+    backend.wait_launched(1)
+    time.sleep(0.05)  # the dispatcher is asleep: the credit is full
+    completed = time.monotonic()
+    backend.release()
+    backend.wait_launched(2)
+    assert time.monotonic() - completed < 0.2
+    backend.release()
+    results(futures)
