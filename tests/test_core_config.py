@@ -189,13 +189,18 @@ def test_merge_booleans(value, expected):
     assert resolve(merge=value).merge is expected
 
 
+def assert_rejected(variable, keyword, value, advice):
+    """``value`` is refused from the environment (naming the variable and what to use) and as a keyword."""
+    with pytest.raises(ValueError) as info:
+        resolve({variable: value})
+    assert variable in str(info.value) and advice in str(info.value)
+    with pytest.raises(ValueError, match=f"{keyword}="):
+        resolve(**{keyword: value})
+
+
 @pytest.mark.parametrize("value", ["maybe", "2", "y", "enabled"])
 def test_bad_boolean(value):
-    with pytest.raises(ValueError) as info:
-        resolve({"BYTESCHEDULER_MERGE": value})
-    assert "BYTESCHEDULER_MERGE" in str(info.value) and "true/false" in str(info.value)
-    with pytest.raises(ValueError, match="merge="):
-        resolve(merge=value)
+    assert_rejected("BYTESCHEDULER_MERGE", "merge", value, "true/false")
 
 
 @pytest.mark.parametrize("value, expected", [("2.5", 2.5), ("10", 10.0), ("0.01", 0.01)])
@@ -212,20 +217,12 @@ def test_cycle_times(value, expected):
 
 @pytest.mark.parametrize("value", ["-1", "inf", "nan", "soon", "2ms"])
 def test_bad_cycle_time(value):
-    with pytest.raises(ValueError) as info:
-        resolve({"BYTESCHEDULER_CYCLE_TIME": value})
-    assert "BYTESCHEDULER_CYCLE_TIME" in str(info.value) and "milliseconds" in str(info.value)
-    with pytest.raises(ValueError, match="cycle_ms="):
-        resolve(cycle_ms=value)
+    assert_rejected("BYTESCHEDULER_CYCLE_TIME", "cycle_ms", value, "milliseconds")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon", "1s"])
 def test_bad_timeout(value):
-    with pytest.raises(ValueError) as info:
-        resolve({"BYTESCHEDULER_TIMEOUT": value})
-    assert "BYTESCHEDULER_TIMEOUT" in str(info.value) and "positive number of seconds" in str(info.value)
-    with pytest.raises(ValueError, match="timeout="):
-        resolve(timeout=value)
+    assert_rejected("BYTESCHEDULER_TIMEOUT", "timeout", value, "positive number of seconds")
 
 
 @pytest.mark.parametrize(
