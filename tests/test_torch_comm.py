@@ -7,6 +7,7 @@ to a tensor's Python object; if the script has ended by then, the process aborts
 """
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,10 @@ def _schedule_sums(rank, world_size, unreachable_rank):
         def cannot_connect(self, address, token=0, timeout=None):
             raise CommunicationError(f"rank {rank}: no route to {address}")
         comm.TcpOrderChannel.join = cannot_connect
+    if unreachable_rank == "unresolvable" and rank == 0:
+        def unresolvable(peer_host=None):
+            raise socket.gaierror(-2, "Name or service not known")
+        comm.local_address = unresolvable  # rank 0 offers 127.0.0.1 instead: fine on one machine
     communicator = comm.TorchCommunicator.for_group(None, timeout=30.0)
     scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, partition_bytes=256,
                           credit_bytes=512)
@@ -115,9 +120,9 @@ def _schedule_sums(rank, world_size, unreachable_rank):
     return communicator._order is not None, [tensor.unique().tolist() for tensor in tensors]
 
 
-@pytest.mark.parametrize("unreachable_rank", [None, 1, 2])
+@pytest.mark.parametrize("unreachable_rank", [None, 1, 2, "unresolvable"])
 def test_decisions_travel_over_tcp_or_every_rank_falls_back_to_gloo(unreachable_rank):
     outcomes = run_ranks(_schedule_sums, 3, args=(unreachable_rank,), deadline=90)
     expected = [[6.0 * (key + 1)] for key in range(6)]
     assert [sums for _, sums in outcomes] == [expected] * 3
-    assert {tcp for tcp, _ in outcomes} == {unreachable_rank is None}
+    assert {tcp for tcp, _ in outcomes} == {unreachable_rank not in (1, 2)}

@@ -319,7 +319,11 @@ class TorchCommunicator:
         if self.is_leader:
             token = random.SystemRandom().getrandbits(62)
             port = channel.serve(self.world_size, token=token)
-            offer = [(local_address(_rendezvous_host()), port, token)]
+            try:
+                host = local_address(_rendezvous_host())
+            except OSError:  # e.g. an unresolvable name: the others then fail to connect, and all use gloo
+                host = "127.0.0.1"
+            offer = [(host, port, token)]
 
             def accept() -> None:
                 try:
