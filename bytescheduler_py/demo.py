@@ -12,6 +12,7 @@ the scheduler wins on slow networks (see docs/), and must cost nothing here.
 from __future__ import annotations
 
 import argparse
+import gc
 import socket
 import statistics
 import sys
@@ -64,6 +65,13 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         state.close()
         same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), scheduled.parameters()))
         results.put((rank, times, same, state.scheduler.stats))
+        # Free the DDP models (they hold the process group) before ending it, so gloo's
+        # threads end with the group instead of outliving the interpreter (an abort at
+        # exit otherwise). DDP's hooks refer to the module: only the collector frees it.
+        systems.clear()
+        optimizers.clear()
+        del plain, scheduled
+        gc.collect()
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001
         import traceback

@@ -11,6 +11,7 @@ over blocks of iterations, and samples per second.
 """
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -43,6 +44,23 @@ def main() -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)
+    median = train(args, device, rank)
+    if rank == 0:
+        system = "DDP default" if args.no_bytescheduler else "ScheduledOptimizer (bytescheduler)"
+        print(f"system: {system}")
+        print(f"{system}: model {args.model}, {world_size} ranks, batch {args.batch_size} per rank, "
+              f"median {median:.4f} s/iter, {args.batch_size * world_size / median:.1f} samples/s")
+    # DDP holds the process group; free it first, so gloo's threads end with the group instead
+    # of outliving the interpreter ("terminate called without an active exception" at exit,
+    # in 1 of 4 runs of plain DDP here). DDP's hooks refer to the module, a reference cycle
+    # that only the garbage collector frees.
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: torch.device, rank: int) -> float:
+    """Train with ScheduledOptimizer or DDP; return the median seconds per iteration."""
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     network, make_batch = build(args.model)
     network = network.to(device)
@@ -83,13 +101,7 @@ def main() -> None:
         blocks.append((time.perf_counter() - started) / args.num_batches_per_iter)
     if not args.no_bytescheduler:
         optimizer.close()
-    median = statistics.median(blocks)
-    if rank == 0:
-        system = "DDP default" if args.no_bytescheduler else "ScheduledOptimizer (bytescheduler)"
-        print(f"system: {system}")
-        print(f"{system}: model {args.model}, {world_size} ranks, batch {args.batch_size} per rank, "
-              f"median {median:.4f} s/iter, {args.batch_size * world_size / median:.1f} samples/s")
-    dist.destroy_process_group()
+    return statistics.median(blocks)
 
 
 if __name__ == "__main__":

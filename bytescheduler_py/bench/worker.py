@@ -15,6 +15,7 @@ which :mod:`bytescheduler.bench.rendezvous` writes the port of Horovod's rendezv
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from datetime import timedelta
@@ -238,6 +239,11 @@ def main(argv=None) -> int:
     write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer)
     for system in systems.values():
         system.close()
+    # Free the models (DDP holds the process group) before ending it, so gloo's threads end
+    # with the group instead of outliving the interpreter (an abort at exit otherwise).
+    # DDP's hooks refer to the module: a reference cycle only the collector frees.
+    systems.clear()
+    gc.collect()
     shutdown()
     return 0
 
