@@ -6,6 +6,7 @@ helper started are killed and the test fails with each rank's traceback.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -38,6 +39,9 @@ def _child(fn, rank, world_size, port, args, results, env):
         )
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
+        # DDP models of ``fn`` live on in reference cycles and hold the process group: collect
+        # them first, or gloo's threads may outlive the interpreter and abort the exit.
+        gc.collect()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
