@@ -84,11 +84,16 @@ def parse_bool(value: Union[bool, int, str], name: str) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
 
 
-def parse_timeout(value: Union[float, int, str], name: str) -> float:
+def _number(value: Union[float, int, str]) -> float:
+    """``value`` as a float; NaN (which every range check rejects) when it is not a number."""
     try:
-        seconds = float(value)
+        return float(value)
     except (TypeError, ValueError):
-        seconds = float("nan")
+        return float("nan")
+
+
+def parse_timeout(value: Union[float, int, str], name: str) -> float:
+    seconds = _number(value)
     if not seconds > 0 or math.isinf(seconds):
         raise ValueError(f"{name}={value!r} is not a timeout: use a positive number of seconds")
     return seconds
@@ -96,10 +101,7 @@ def parse_timeout(value: Union[float, int, str], name: str) -> float:
 
 def parse_milliseconds(value: Union[float, int, str], name: str) -> float:
     """A non-negative, finite number of milliseconds (0 means off)."""
-    try:
-        milliseconds = float(value)
-    except (TypeError, ValueError):
-        milliseconds = float("nan")
+    milliseconds = _number(value)
     if not milliseconds >= 0 or math.isinf(milliseconds):
         raise ValueError(f"{name}={value!r} is not a duration: use a non-negative number of milliseconds (0: off)")
     return milliseconds
