@@ -25,8 +25,8 @@ exits non-zero, when the deadline passes, or on Ctrl-C / SIGTERM, and says why o
 worker that exits 0 while others still train is no failure by itself (it may just be first to
 finish); when the job then fails, the launcher names it.
 
-Exit status: 0 when every worker exited 0; the failing process's exit code (128 + N for a
-signal N) when one failed; 124 when the deadline passed; 127 when a process cannot be started;
+Exit status: 0 when every worker exited 0; the exit code of the process that failed first (128
++ N for a signal N) when any failed; 124 when the deadline passed; 127 when a process cannot be started;
 130 on Ctrl-C (143 on SIGTERM).
 
 A worker that fails in Python does not exit by itself: once it has created a ``dist_*`` store,
@@ -79,6 +79,10 @@ class _Node:
     index: int
     popen: subprocess.Popen
     reader: Optional[threading.Thread] = field(default=None)
+    waiter: Optional[threading.Thread] = field(default=None)
+    # When the launcher saw the process end (time.monotonic()); orders failures, so that the
+    # one that failed first, usually the cause of the others, gives the job's exit status.
+    exited_at: Optional[float] = field(default=None)
 
     @property
     def name(self) -> str:
@@ -150,6 +154,7 @@ class Launcher:
         self.nodes: List[_Node] = []
         self.port: Optional[int] = None
         self.launch_id = uuid.uuid4().hex
+        self._exited = threading.Event()  # set whenever a process ends: the job loop looks at once
 
     # --- output ---------------------------------------------------------------------------
     @property
@@ -210,6 +215,22 @@ class Launcher:
         self.nodes.append(node)
         node.reader = threading.Thread(target=self._pump, args=(node,), name=f"mxnet-launch {node.name}")
         node.reader.start()
+        node.waiter = threading.Thread(target=self._watch, args=(node,), name=f"mxnet-launch wait {node.name}",
+                                       daemon=True)
+        node.waiter.start()
+
+    def _watch(self, node: _Node) -> None:
+        # A thread per process notes when it ends. Polling all of them every POLL_SECONDS could
+        # not tell which of two deaths came first: a worker that fails because its peer died
+        # usually follows within milliseconds.
+        node.popen.wait()
+        node.exited_at = time.monotonic()
+        self._exited.set()
+
+    def _pause(self) -> None:
+        """Sleep until a process ends, or POLL_SECONDS at most."""
+        self._exited.wait(POLL_SECONDS)
+        self._exited.clear()
 
     def _start_all(self) -> None:
         self.port = free_port()
@@ -264,12 +285,18 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
         for node in self.nodes:
-            if node.reader is not None:
-                node.reader.join(timeout=max(0.5, end - time.monotonic()))
+            for thread in (node.reader, node.waiter):
+                if thread is not None:
+                    thread.join(timeout=max(0.5, end - time.monotonic()))
 
     # --- the job --------------------------------------------------------------------------
     def _failures(self) -> List[_Node]:
-        return [node for node in self.nodes if node.popen.poll() not in (None, 0)]
+        """The processes that exited non-zero, the first to exit first."""
+        failed = [node for node in self.nodes if node.popen.poll() not in (None, 0)]
+        for node in failed:
+            if node.waiter is not None:
+                node.waiter.join()  # returncode is set: the thread is about to note the time
+        return sorted(failed, key=lambda node: node.exited_at or 0.0)
 
     def _report_failures(self, failed: List[_Node], training: bool = False) -> int:
         for node in failed:
@@ -315,14 +342,14 @@ class Launcher:
                     self.stop_all()
                     stopped = True
                     return EXIT_DEADLINE
-                time.sleep(POLL_SECONDS)
+                self._pause()
             # Phase 2: the workers are done; the scheduler and the servers should follow.
             wait = self.shutdown_timeout
             if end is not None:
                 wait = min(wait, max(0.0, end - time.monotonic()))
             wait_end = time.monotonic() + wait
             while time.monotonic() < wait_end and any(node.popen.poll() is None for node in self.nodes):
-                time.sleep(POLL_SECONDS)
+                self._pause()
             failed = self._failures()
             left = [node.name for node in self.nodes if node.popen.returncode is None]
             if left:

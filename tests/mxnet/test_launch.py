@@ -90,6 +90,24 @@ def test_worker_exception_through_run_worker_stops_the_job(marker):
     assert "[worker 1] Traceback (most recent call last):" in run.stdout, run.text()
 
 
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT)
+def test_first_failure_gives_the_status_when_another_follows_at_once(marker, tmp_path):
+    # Worker 0 fails 30 ms after worker 1 died, sometimes before the launcher has stopped it. The
+    # status, and the first failure named, must still be worker 1's: its death caused the other.
+    for attempt in range(5):
+        output, messages = io.StringIO(), io.StringIO()
+        status = launch(worker("dies_after_peer.py") + [str(tmp_path / f"peer-{attempt}.sock")], num_workers=2,
+                        num_servers=1, deadline=JOB_DEADLINE, env={MARKER: marker}, output=output,
+                        messages=messages)
+        text = f"--- output\n{output.getvalue()}\n--- messages\n{messages.getvalue()}"
+        assert status == 3, text
+        reports = re.findall(r"^\S+ mxnet-launch: (worker \d) \(pid \d+\) exited with code (\d+)$",
+                             messages.getvalue(), re.M)
+        stopped = re.search(r"^\S+ mxnet-launch: stopping .*worker 0", messages.getvalue(), re.M)
+        assert reports == ([("worker 1", "3")] if stopped else [("worker 1", "3"), ("worker 0", "1")]), text
+        assert_nothing_left(marker, messages.getvalue())
+
+
 # --- (c) the deadline ------------------------------------------------------------------------
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT)
 def test_deadline_stops_a_job_that_runs_too_long(marker):
