@@ -202,7 +202,8 @@ def _results(grouped, name):
 
 
 REAL_CASES = ("real:cnn-small", "real:gpt2-small", "evaluation")
-SMALL_CASES = ("prompt_free", "auto_tune", "any_optimizer", "drop_in", "outside_use", "frozen", "clipping", "zero_grad", "misuse")
+SMALL_CASES = ("prompt_free", "auto_tune", "any_optimizer", "drop_in", "outside_use", "frozen", "clipping", "clipping_held", "zero_grad",
+               "misuse")
 
 
 @pytest.fixture(scope="module")
@@ -599,6 +600,38 @@ def test_gradient_clipping_by_global_norm_equals_ddp(small_models):
         assert out["params"] == [] and out["grads"] == []
 
 
+def _clipping_while_held(rank, world_size):
+    # A minute-long merge cycle and the default partition: rank 0 would hold every gradient of
+    # this small model until step(), but clipping reads them before step().
+    from bytescheduler.models import build
+
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    ours, optimizer, theirs, baseline = _pair(lambda: build("cnn-small")[0], make, cycle_ms=60_000, timeout=30)
+    make_batch = build("cnn-small")[1]
+    data = torch.Generator().manual_seed(rank)
+    clip_seconds = []
+    for _ in range(3):
+        x, y = make_batch(4, data)
+        for model, opt in ((ours, optimizer), (theirs, baseline)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            start = time.monotonic()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            if model is ours:
+                clip_seconds.append(time.monotonic() - start)
+            opt.step()
+    optimizer.synchronize()
+    out = dict(params=_param_differences(ours, theirs), clip_seconds=clip_seconds)
+    optimizer.close()
+    return out
+
+
+def test_reading_gradients_before_step_ends_the_merge_cycle(small_models):
+    for out in _results(small_models, "clipping_held"):
+        assert max(out["clip_seconds"]) < 5.0, out["clip_seconds"]
+        assert out["params"] == []
+
+
 # --------------------------------------------------------------------------- 9. zero_grad variants
 
 
@@ -875,6 +908,7 @@ CASES = {
     "outside_use": (_outside_use, ()),
     "frozen": (_frozen, ()),
     "clipping": (_clipping, ()),
+    "clipping_held": (_clipping_while_held, ()),
     "zero_grad": (_zero_grad, ()),
     "misuse": (_misuse, ()),
 }

@@ -395,6 +395,10 @@ class OverlapEngine:
 
     def wait_readable(self, state: _ParamState, gradient_only: bool = False) -> None:
         """Block until ``state``'s parameter may be read on the training thread."""
+        if state.stage == QUEUED and state.step_number > self._steps_called:
+            # A gradient is wanted before step() (e.g. clipping by global norm): what is queued
+            # must not sit out a merge cycle (cycle_ms) waiting for more gradients to come.
+            self.scheduler.end_burst()
         with self._cond:
             self._wait_locked(lambda: self._readable(state, gradient_only), state.name)
 
