@@ -993,6 +993,17 @@ def test_end_burst_launches_held_work_at_once_and_the_next_burst_is_held_again(c
     results([second])
 
 
+def test_without_merging_a_cycle_holds_nothing(cleanup):
+    # e.g. BYTESCHEDULER_CYCLE_TIME set for a Horovod job, whose backend takes no merged work
+    backend = cleanup.backend()
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=60_000, merge=False)
+    started = time.monotonic()
+    futures = [s.submit(make_task(k, 10, fuse_key="a")) for k in range(2)]
+    assert _launch_delay(backend, started, 2) < 5.0
+    results(futures)
+    assert [r.keys for r in backend.ops] == [[0], [1]]
+
+
 def test_a_full_operation_is_not_held(cleanup):
     backend = cleanup.backend()
     s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, cycle_ms=60_000)

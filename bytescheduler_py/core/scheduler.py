@@ -441,10 +441,11 @@ class Scheduler:
 
         Work is held while less than one operation's worth (``partition_bytes``) is queued,
         for at most ``cycle_ms`` after the queue became non-empty, unless the burst ended
-        or the scheduler is stopping.
+        or the scheduler is stopping. Without ``merge`` (Horovod fuses by itself) nothing
+        would come of holding, so nothing is held.
         """
         cycle = self._cycle
-        if cycle <= 0 or self._hurry or self._stopping or self._queued_bytes >= self.config.partition_bytes:
+        if cycle <= 0 or not self.config.merge or self._hurry or self._stopping or self._queued_bytes >= self.config.partition_bytes:
             return 0.0
         return max(0.0, self._hold_since + cycle - now)
 
