@@ -202,8 +202,8 @@ def _results(grouped, name):
 
 
 REAL_CASES = ("real:cnn-small", "real:gpt2-small", "evaluation")
-SMALL_CASES = ("prompt_free", "auto_tune", "any_optimizer", "drop_in", "outside_use", "frozen", "clipping", "clipping_held", "zero_grad",
-               "misuse")
+SMALL_CASES = ("prompt_free", "auto_tune", "any_optimizer", "drop_in", "outside_use", "frozen", "clipping",
+               "clipping_held", "zero_grad", "misuse")
 
 
 @pytest.fixture(scope="module")

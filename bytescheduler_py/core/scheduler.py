@@ -445,7 +445,9 @@ class Scheduler:
         would come of holding, so nothing is held.
         """
         cycle = self._cycle
-        if cycle <= 0 or not self.config.merge or self._hurry or self._stopping or self._queued_bytes >= self.config.partition_bytes:
+        if cycle <= 0 or not self.config.merge or self._hurry or self._stopping:
+            return 0.0
+        if self._queued_bytes >= self.config.partition_bytes:
             return 0.0
         return max(0.0, self._hold_since + cycle - now)
 

@@ -25,9 +25,9 @@ exits non-zero, when the deadline passes, or on Ctrl-C / SIGTERM, and says why o
 worker that exits 0 while others still train is no failure by itself (it may just be first to
 finish); when the job then fails, the launcher names it.
 
-Exit status: 0 when every worker exited 0; the exit code of the process that failed first (128
-+ N for a signal N) when any failed; 124 when the deadline passed; 127 when a process cannot be started;
-130 on Ctrl-C (143 on SIGTERM).
+Exit status: 0 when every worker exited 0; the exit code of the process that failed first
+(128 + N for a signal N) when any failed; 124 when the deadline passed; 127 when a process
+cannot be started; 130 on Ctrl-C (143 on SIGTERM).
 
 A worker that fails in Python does not exit by itself: once it has created a ``dist_*`` store,
 the interpreter's exit (an uncaught exception, ``sys.exit(3)``, even a normal return) runs the
