@@ -395,10 +395,6 @@ class OverlapEngine:
 
     def wait_readable(self, state: _ParamState, gradient_only: bool = False) -> None:
         """Block until ``state``'s parameter may be read on the training thread."""
-        if state.stage == QUEUED and state.step_number > self._steps_called:
-            # A gradient is wanted before step() (e.g. clipping by global norm): what is queued
-            # must not sit out a merge cycle (cycle_ms) waiting for more gradients to come.
-            self.scheduler.end_burst()
         with self._cond:
             self._wait_locked(lambda: self._readable(state, gradient_only), state.name)
 
@@ -420,6 +416,11 @@ class OverlapEngine:
 
     def _wait_locked(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout
+        if not done():
+            # The training thread needs this now (e.g. a gradient read for clipping, or
+            # synchronize() before step()): what is queued must not sit out a merge cycle
+            # (cycle_ms) waiting for more gradients to come.
+            self.scheduler.end_burst()
         while not done():
             self._raise_if_failed()
             remaining = deadline - time.monotonic()
