@@ -183,6 +183,24 @@ class SchedulerConfig:
         values.update(_parse_options(overrides))
         return replace(defaults if defaults is not None else cls(), **values)
 
+    @classmethod
+    def build(cls, config: Optional["SchedulerConfig"] = None, defaults: Optional["SchedulerConfig"] = None,
+              **options: Any) -> "SchedulerConfig":
+        """What an adapter runs with: ``config`` as given or, without one, ``defaults`` (the
+        adapter's own) read over by the environment; then the keyword ``options`` on top.
+
+        Every adapter takes ``config=None, **options`` and passes them here, so the options
+        are defined once, on this class.
+
+        >>> SchedulerConfig.build(SchedulerConfig(credit_bytes=8), partition_bytes="4KiB").credit_bytes
+        8
+        """
+        if config is None:
+            return cls.resolve(defaults=defaults, **options)
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a bytescheduler SchedulerConfig, not {type(config).__name__}")
+        return config.with_options(**options)
+
     def with_options(self, **overrides: Any) -> "SchedulerConfig":
         """A copy with the given keywords (None ones ignored) parsed and applied; no environment."""
         return replace(self, **_parse_options(overrides))

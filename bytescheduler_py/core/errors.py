@@ -1,6 +1,24 @@
-"""Exceptions raised by bytescheduler."""
+"""Exceptions raised by bytescheduler, and the latch that keeps the first one.
+
+A failure found on one thread (a backend's completion, an updater) must reach the user's
+training thread, maybe several times (every later call fails the same way). The
+:class:`ErrorLatch` keeps the first error and raises it again where asked, as a new
+exception of the same type chained to the original, so the original traceback survives.
+
+>>> latch = ErrorLatch()
+>>> latch.set(KeyError("gone")), latch.set(ValueError("later"))
+(True, False)
+>>> try:
+...     latch.raise_if_set()
+... except KeyError as error:
+...     type(error.__cause__).__name__
+'KeyError'
+"""
 
 from __future__ import annotations
+
+import threading
+from typing import NoReturn, Optional
 
 
 class ByteSchedulerError(RuntimeError):
@@ -25,3 +43,66 @@ class SchedulerClosed(ByteSchedulerError):
 
 class MismatchError(CommunicationError):
     """Ranks disagree about what is communicated (tensor sizes, keys or order)."""
+
+
+class CallbackError(ByteSchedulerError):
+    """A done-callback of a task raised; the original exception is the ``__cause__``."""
+
+
+def copy_of(error: BaseException) -> BaseException:
+    """A new exception of ``error``'s type with its arguments and attributes, chained to it.
+
+    Built without calling the type's ``__init__`` (which may take other arguments than the
+    message, so ``type(error)(str(error))`` itself could fail); when even that is not
+    possible (an exception type that refuses it), ``error`` itself is returned.
+    """
+    kind = type(error)
+    try:
+        clone = kind.__new__(kind, *error.args)
+        clone.args = error.args
+        clone.__dict__.update(getattr(error, "__dict__", {}))
+    except Exception:  # noqa: BLE001 - any refusal: raise the original instead
+        return error
+    clone.__cause__ = error
+    return clone
+
+
+def reraise(error: BaseException) -> NoReturn:
+    """Raise ``error`` again on this thread: its type, its message, its traceback as the cause."""
+    clone = copy_of(error)
+    if clone is error:
+        raise error
+    raise clone from error
+
+
+class ErrorLatch:
+    """The first error wins; :meth:`raise_if_set` raises it (see :func:`reraise`) on any thread.
+
+    ``raised`` tells whether it has been raised to someone, so a final ``stop()`` raises an
+    error only when nobody has seen it yet.
+    """
+
+    __slots__ = ("error", "raised", "_lock")
+
+    def __init__(self) -> None:
+        self.error: Optional[BaseException] = None
+        self.raised = False
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return self.error is not None
+
+    def set(self, error: BaseException) -> bool:
+        """Keep ``error`` if it is the first; True when it was."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            self.error = error
+            return True
+
+    def raise_if_set(self) -> None:
+        """Raise the kept error, if any (a copy of its type, chained to it)."""
+        error = self.error
+        if error is not None:
+            self.raised = True
+            reraise(error)

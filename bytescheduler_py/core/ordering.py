@@ -11,6 +11,17 @@ message, one that is behind reads several messages at once.
 A message is a flat list of integers:
 ``[epoch, OPS, n_ops, (lane, n_pieces, (key, generation, start, stop) * n_pieces) * n_ops]``
 or ``[epoch, STOP]``. The epoch tells apart schedulers that reuse one channel.
+
+Channels that move fixed-size buffers (a broadcast of an int64 tensor) cut a message into
+*frames* of ``words`` int64 each: ``[length, more, payload..., zero padding]``
+(:func:`to_frames`, :func:`read_frame`).
+
+>>> frames = to_frames(encode_ops(3, [(0, [(5, 0, 0, 10)])]), words=6)
+>>> [list(frame) for frame in frames]
+[[4, 1, 3, 1, 1, 0], [4, 1, 1, 5, 0, 0], [1, 0, 10, 0, 0, 0]]
+>>> message = []
+>>> [read_frame(list(frame), message) for frame in frames], decode(message, epoch=3)
+([True, True, False], [(0, [(5, 0, 0, 10)])])
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from array import array
 from typing import List, Optional, Protocol, Sequence, Tuple
 
 from .errors import CommunicationTimeout, MismatchError
@@ -85,6 +97,32 @@ def decode(message: Sequence[int], epoch: int) -> Optional[List[Decision]]:
             at += 4
         decisions.append((lane, pieces))
     return decisions
+
+
+def to_frames(message: Sequence[int], words: int) -> List[array]:
+    """Cut ``message`` into int64 frames of ``words`` words: ``[length, more, payload..., 0...]``.
+
+    Each frame is an ``array('q')`` (a buffer ``torch.frombuffer`` wraps without a copy):
+    rank 0 publishes a message per dispatch, so this is on the hot path.
+    """
+    payload = words - 2
+    frames = []
+    for at in range(0, max(len(message), 1), payload):
+        chunk = message[at : at + payload]
+        frame = array("q", (len(chunk), 1 if at + payload < len(message) else 0))
+        frame.extend(chunk)
+        frame.frombytes(bytes(8 * (words - len(frame))))
+        frames.append(frame)
+    return frames
+
+
+def read_frame(frame: Sequence[int], message: List[int]) -> bool:
+    """Append a received frame's payload to ``message``; True when more frames follow."""
+    length, more = frame[0], frame[1]
+    if not 0 <= length <= len(frame) - 2:
+        raise MismatchError(f"corrupt ordering frame (length {length})")
+    message.extend(frame[2 : 2 + length])
+    return bool(more)
 
 
 class LocalOrderHub:

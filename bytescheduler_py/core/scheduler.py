@@ -1,13 +1,15 @@
-"""The scheduler: a priority queue that partitions, merges and admits pieces under a credit.
+"""The scheduler runtime: threads, lifecycle and errors around the policy or the follower.
 
-A framework adapter submits a :class:`~bytescheduler.core.task.Task` when a tensor is
-ready to communicate; the scheduler splits it into pieces, keeps them in a heap ordered
-by (priority, arrival), and whenever credit frees launches the best ready pieces through
-a :class:`Backend`, fusing small neighbours into one operation. Completion flows back as
-the task's future (:class:`~bytescheduler.core.task.TaskFuture`).
-
-With an :class:`~bytescheduler.core.ordering.OrderChannel` the leader's decisions are
-replayed by every follower, so all ranks issue collectives in one order.
+A framework adapter :meth:`~Scheduler.submit`\\ s a :class:`~bytescheduler.core.task.Task`
+when a tensor is ready; its future resolves once every piece was communicated. What goes
+when is not decided here: on rank 0 (or a rank alone) the
+:class:`~bytescheduler.core.policy.SchedulingPolicy` decides, and its decisions are
+published on the :class:`~bytescheduler.core.ordering.OrderChannel`; on the other ranks a
+:class:`~bytescheduler.core.follower.Follower` replays them. This module only runs them:
+a dispatcher thread takes the decided operations and launches them through the
+:class:`~bytescheduler.core.backend.Backend`, a receiver thread (followers) reads the
+channel, completions release credit and resolve futures, a watchdog turns stuck
+operations into errors, and one :class:`State` tells where the scheduler is in its life.
 
 >>> from bytescheduler.core import Scheduler, Task
 >>> class Immediate:
@@ -21,68 +23,63 @@ replayed by every follower, so all ranks issue collectives in one order.
 
 from __future__ import annotations
 
-import heapq
+import enum
 import itertools
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Union
 
+from .backend import Backend, Done  # noqa: F401 - Done is re-exported for backends
 from .config import SchedulerConfig
-from .credit import CreditWindow
 from .errors import (
     ByteSchedulerError,
+    CallbackError,
     CommunicationError,
     CommunicationTimeout,
-    MismatchError,
+    ErrorLatch,
     SchedulerClosed,
 )
+from .follower import Follower
 from .log import configure_logging, logger
-from .ordering import Decision, OrderChannel, decode, encode_ops, encode_stop
-from .partition import partition_ranges
-from .task import Operation, Piece, Task, TaskFuture
+from .ordering import OrderChannel, decode, encode_ops, encode_stop
+from .policy import SchedulingPolicy
+from .task import Operation, Task, TaskFuture
 from .timeline import Timeline
 from .tuning import AutoTuner
-
-Done = Callable[[Optional[BaseException]], None]
 
 _epochs = itertools.count()
 # How often waiting threads wake to check deadlines (seconds).
 _WATCH_INTERVAL = 0.5
 
 
-class Backend(Protocol):
-    """Moves the bytes of one operation.
+class State(enum.Enum):
+    """Where a scheduler is in its life (one value at a time, guarded by its lock)."""
 
-    ``launch`` starts the operation and returns promptly; ``done(None)`` (or
-    ``done(exception)``) must be called exactly once when it finished, from any thread,
-    possibly before ``launch`` returns. ``num_lanes`` (optional, default 1) is how many
-    independent FIFO channels the backend offers; lane 1 carries small operations.
-    """
-
-    def launch(self, op: Operation, done: Done) -> None: ...
+    RUNNING = "running"  # accepts tasks
+    DRAINING = "draining"  # stop(wait=True): communicates what was submitted, then ends
+    FAILED = "failed"  # an operation failed; threads end; stop() still has to be called
+    ABANDONED = "abandoned"  # stop(wait=False), or a failure while draining: work is given up
+    STOPPED = "stopped"  # stop() returned: threads joined, futures resolved
 
 
 class Scheduler:
-    """Orders, partitions, merges and admits communication under a credit.
+    """Runs the scheduling policy (rank 0) or replays its decisions (other ranks).
 
     Args:
-        backend: what moves the bytes (see :class:`Backend`).
-        channel: carries the leader's order to followers; None when the backend does not
-            need one order on all ranks (a single rank, Horovod, a parameter server).
+        backend: what moves the bytes (see :class:`~bytescheduler.core.backend.Backend`).
+        channel: carries rank 0's order to the other ranks; None when the backend does not
+            need one order on all ranks (a single rank).
         rank: this process's rank, for logs and the timeline.
         config: a :class:`SchedulerConfig`; keyword arguments (``partition_bytes``,
-            ``credit_bytes``, ``merge``, ``fast_lane_bytes``, ``timeout``, ``timeline``,
-            ``log_level``, ``auto_tune``, ``cycle_ms``) override it and the
-            ``BYTESCHEDULER_*`` environment variables.
+            ``credit_bytes``, ...) override it and the ``BYTESCHEDULER_*`` environment.
         tuning_agree: with ``auto_tune`` and no channel, maps this rank's measured step
             time to the value every rank uses (e.g. a broadcast from rank 0), for backends
             whose ranks must partition alike; None when each rank may tune alone.
         tuning: further :class:`~bytescheduler.core.tuning.AutoTuner` options, e.g.
             ``{"min_partition_bytes": n}`` for a backend that cannot cut finer.
 
-    The scheduler is started on construction and stopped by :meth:`stop` (or the end of
-    a ``with`` block). ``stop`` is collective when a channel is used: every rank calls it.
+    Started on construction; :meth:`stop` (or the end of a ``with`` block) ends it, and is
+    collective when a channel is used: every rank calls it.
     """
 
     def __init__(
@@ -95,70 +92,53 @@ class Scheduler:
         tuning: Optional[Dict[str, Any]] = None,
         **options,
     ) -> None:
-        if config is None:
-            config = SchedulerConfig.resolve(**options)
-        elif options:
-            config = config.with_options(**options)
-        self.config = config
+        self.config = config = SchedulerConfig.build(config, **options)
         self.rank = rank
         configure_logging(config.log_level, rank)
         self._backend = backend
         self._channel = channel
         self._leader = channel is None or channel.is_leader
-        self._lanes = max(1, int(getattr(backend, "num_lanes", 1)))
+        lanes = max(1, int(getattr(backend, "num_lanes", 1)))
         new_epoch = getattr(channel, "new_epoch", None)
         self._epoch = new_epoch() if new_epoch is not None else next(_epochs)
 
         self._cond = threading.Condition(threading.Lock())
-        self._heap: List[Piece] = []
-        # Leader: bytes in the heap, when the heap last became non-empty, and whether the
-        # adapter said the burst is over (see SchedulerConfig.cycle_ms).
-        self._queued_bytes = 0
-        self._hold_since = 0.0
-        self._hurry = False
-        self._credit = CreditWindow(config.credit_bytes)
-        self._fast_credit: Optional[CreditWindow] = None
-        if self._lanes > 1 and config.fast_lane_bytes > 0:
-            self._fast_credit = CreditWindow(config.fast_lane_bytes)
-        self._in_flight: Dict[int, Operation] = {}
-        self._pending: Dict[Tuple[int, int], Task] = {}
+        self._state = State.RUNNING
+        self._latch = ErrorLatch()
+        self._cancel = threading.Event()  # set once work is given up: every thread ends
+        self._decider: Union[SchedulingPolicy, Follower]
+        if self._leader:
+            self._policy: Optional[SchedulingPolicy] = SchedulingPolicy(
+                config.partition_bytes, config.credit_bytes, config.merge, config.fast_lane_bytes, lanes,
+                config.cycle_ms / 1000.0)
+            self._decider = self._policy
+        else:
+            self._policy = None
+            self._follower = Follower(rank, lanes)
+            self._decider = self._follower
+        self._pending: Dict[tuple, Task] = {}  # (key, generation) -> task submitted, not done
         self._generations: Dict[int, int] = {}
-        self._op_ids = itertools.count()
-        self._error: Optional[BaseException] = None
-        self._error_raised = False
-        self._stopping = False
-        self._abandon = threading.Event()
-        self._closed = False
+        self._in_flight: Dict[int, Operation] = {}
         self._next_deadline_check = 0.0
         self._sleepers = 0  # threads waiting on _cond
         self._flushers = 0  # of which in flush(), waiting for nothing to be pending
-        # Followers only.
-        self._decided: Deque[Tuple[float, Decision]] = deque()
-        self._undecided_elements = 0
-        self._stop_received = False
+        self._ops_launched = 0
+        self._pieces_launched = 0
 
         self._timeline = Timeline(config.timeline, rank) if config.timeline else None
-        # Followers replay the leader's pieces: only the deciding rank tunes.
+        # Followers replay rank 0's pieces: only the deciding rank tunes.
         self.tuner: Optional[AutoTuner] = None
         if config.auto_tune and self._leader:
             self.tuner = AutoTuner(config.partition_bytes, config.credit_bytes, self.reconfigure, agree=tuning_agree,
                                    **(tuning or {}))
-        self._ops_launched = 0
-        self._pieces_launched = 0
 
         role = "alone" if channel is None else ("leader" if self._leader else "follower")
         logger.debug("scheduler epoch %d starts as %s: %s", self._epoch, role, config)
-        self._threads = [
-            threading.Thread(
-                target=self._run_dispatch,
-                name=f"bytescheduler-dispatch-r{rank}",
-                daemon=True,
-            )
-        ]
+        self._threads = [threading.Thread(target=self._run_dispatch, name=f"bytescheduler-dispatch-r{rank}",
+                                          daemon=True)]
         if not self._leader:
-            self._threads.append(
-                threading.Thread(target=self._run_receiver, name=f"bytescheduler-receive-r{rank}", daemon=True)
-            )
+            self._threads.append(threading.Thread(target=self._run_receiver, name=f"bytescheduler-receive-r{rank}",
+                                                  daemon=True))
         for thread in self._threads:
             thread.start()
 
@@ -171,30 +151,28 @@ class Scheduler:
         """
         now = time.perf_counter()
         task.ready_time = now
-        finished = False
         with self._cond:
             self._raise_if_unusable()
-            if task.numel == 0:
-                finished = True
-            else:
+            if task.numel > 0:
                 generation = self._generations.get(task.key, 0)
                 self._generations[task.key] = generation + 1
                 task.generation = generation
                 self._pending[(task.key, generation)] = task
-                if self._leader:
-                    was_empty = not self._heap
-                    self._push_pieces(task, now)
+                policy = self._policy
+                if policy is not None:
+                    was_empty = not policy.queued
+                    policy.add(task, now)
                     # While the credit is full (most of a backward pass on a slow link) there
                     # is nothing to launch; a completion wakes the dispatcher then. Work held
                     # for merging wakes it once, to time the hold.
-                    if self._sleepers and (self._ready_to_take(now) or (was_empty and self._cycle > 0)):
+                    if self._sleepers and (policy.can_launch(now) or (was_empty and policy.cycle_seconds > 0)):
                         self._cond.notify_all()
                 else:
-                    self._undecided_elements += task.numel
+                    self._follower.expect(task)
                     if self._sleepers:  # the receiver waits for undecided work
                         self._cond.notify_all()
-        if finished:
-            task.future.set_result(task)
+                return task.future
+        self._resolve(task)
         return task.future
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -209,7 +187,7 @@ class Scheduler:
             self._end_burst_locked()
             self._flushers += 1
             try:
-                while self._pending and self._error is None:
+                while self._pending and not self._latch:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise CommunicationTimeout(
@@ -220,7 +198,7 @@ class Scheduler:
                     self._sleep(min(remaining, _WATCH_INTERVAL))
             finally:
                 self._flushers -= 1
-            self._raise_error()
+            self._latch.raise_if_set()
 
     def end_burst(self) -> None:
         """Tell the scheduler no more tensors are coming soon (e.g. backward has ended).
@@ -229,24 +207,21 @@ class Scheduler:
         allows; the next tensor submitted after the queue empties starts a new cycle.
         Costs nothing when ``cycle_ms`` is 0.
         """
-        if self._cycle > 0:
+        if self._policy is not None and self._policy.cycle_seconds > 0:
             with self._cond:
                 self._end_burst_locked()
 
     def _end_burst_locked(self) -> None:
-        if self._heap and not self._hurry:
-            self._hurry = True
-            if self._sleepers:
-                self._cond.notify_all()
-
-    @property
-    def _cycle(self) -> float:
-        return self.config.cycle_ms / 1000.0
+        if self._policy is not None and self._policy.end_burst() and self._sleepers:
+            self._cond.notify_all()
 
     def check(self) -> None:
         """Raise the error of a failed communication operation, if any."""
-        with self._cond:
-            self._raise_error()
+        self._latch.raise_if_set()
+
+    @property
+    def state(self) -> State:
+        return self._state
 
     @property
     def timeline(self) -> Optional[Timeline]:
@@ -269,7 +244,8 @@ class Scheduler:
         """
         with self._cond:
             self.config = self.config.with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
-            self._credit.capacity = self.config.credit_bytes
+            if self._policy is not None:
+                self._policy.reconfigure(self.config.partition_bytes, self.config.credit_bytes)
             logger.debug("scheduler epoch %d: partition %d bytes, credit %d bytes", self._epoch,
                          self.config.partition_bytes, self.config.credit_bytes)
             self._cond.notify_all()
@@ -277,23 +253,24 @@ class Scheduler:
     @property
     def abandoned(self) -> bool:
         """True once queued work was given up (``stop(wait=False)`` or a failure)."""
-        return self._abandon.is_set()
+        return self._cancel.is_set()
 
     @property
     def in_flight_bytes(self) -> int:
-        return self._credit.in_flight
+        return self._decider.main.in_flight
 
     @property
     def peak_in_flight_bytes(self) -> int:
-        return self._credit.peak
+        return self._decider.main.peak
 
     @property
     def stats(self) -> Dict[str, int]:
+        fast = self._decider.fast
         return {
             "operations": self._ops_launched,
             "pieces": self._pieces_launched,
-            "peak_in_flight_bytes": self._credit.peak,
-            "peak_fast_lane_bytes": self._fast_credit.peak if self._fast_credit is not None else 0,
+            "peak_in_flight_bytes": self._decider.main.peak,
+            "peak_fast_lane_bytes": fast.peak if fast is not None else 0,
             "partition_bytes": self.config.partition_bytes,
             "credit_bytes": self.config.credit_bytes,
         }
@@ -308,12 +285,13 @@ class Scheduler:
         failed and the error was not raised before.
         """
         with self._cond:
-            if self._closed:
+            if self._state not in (State.RUNNING, State.FAILED):
                 return
-            self._closed = True
-            self._stopping = True
-            if not wait:
-                self._abandon.set()
+            self._state = State.DRAINING if wait and self._state is State.RUNNING else State.ABANDONED
+            if self._policy is not None:
+                self._policy.drain()
+            if self._state is State.ABANDONED:
+                self._cancel.set()
             self._cond.notify_all()
         join_limit = time.monotonic() + (self.config.timeout + 5.0 if wait else 5.0)
         for thread in self._threads:
@@ -321,30 +299,28 @@ class Scheduler:
                 thread.join(max(0.0, join_limit - time.monotonic()))
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
-            self._abandon.set()
             self._fail(CommunicationTimeout(f"rank {self.rank}: scheduler threads {stuck} did not stop in time"))
         with self._cond:
             abandoned = list(self._pending.values())
             self._pending.clear()
             self._in_flight.clear()  # late completions of abandoned work are ignored
+            self._state = State.STOPPED
         closed = SchedulerClosed(f"rank {self.rank}: the scheduler was stopped before this task was communicated")
         for task in abandoned:
             task.future.set_exception(closed)
         if self._timeline is not None:
             self._timeline.close()
-        if (not wait or self._error is not None) and hasattr(self._channel, "broken"):
-            # Abandoned or failed: operations posted on one rank only may remain on its groups.
-            self._channel.broken = True
         logger.debug("scheduler epoch %d stopped: %s", self._epoch, self.stats)
-        if wait and not self._error_raised:
-            with self._cond:
-                self._raise_error()
+        if wait and not self._latch.raised:
+            self._latch.raise_if_set()
 
     def __enter__(self) -> "Scheduler":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop(wait=exc_type is None)
+
+    # ------------------------------------------------------------------ threads
 
     def _sleep(self, seconds: float) -> None:
         """Wait on the condition (lock held), counted so that submit can skip the notify."""
@@ -354,52 +330,145 @@ class Scheduler:
         finally:
             self._sleepers -= 1
 
+    def _run_dispatch(self) -> None:
+        """The dispatcher thread: take what may go now, publish it (rank 0), launch it.
+
+        Every operation is launched here, also when the thread that made it ready could
+        have: by the time the dispatcher runs, more gradients are usually ready and are
+        merged into fewer operations (launching from the submitting thread measured 8-10%
+        slower on loopback, see docs/benchmarks.md).
+        """
+        policy = self._policy
+        publish = self._channel.publish if policy is not None and self._channel is not None else None
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        if self._cancel.is_set():
+                            return
+                        now = time.perf_counter()
+                        if policy is not None:
+                            ops = policy.decide(now)
+                        else:
+                            ops = self._follower.take(self._pending, self._generations)
+                        if ops or self._drained():
+                            break
+                        self._check_deadlines(now)
+                        held = policy.hold_remaining(now) if policy is not None else 0.0
+                        self._sleep(min(held, _WATCH_INTERVAL) if held > 0 else _WATCH_INTERVAL)
+                    for op in ops:  # in flight from now on (deadline check)
+                        op.launch_time = now
+                        self._in_flight[op.op_id] = op
+                if not ops:
+                    if publish is not None:
+                        publish(encode_stop(self._epoch))
+                    return
+                if publish is not None:
+                    publish(encode_ops(self._epoch, [
+                        (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
+                        for op in ops]))
+                self._ops_launched += len(ops)
+                for op in ops:
+                    self._pieces_launched += len(op.pieces)
+                    self._backend.launch(op, lambda error, op=op: self._on_done(op, error))
+        except BaseException as error:  # noqa: BLE001 - any failure must reach the user
+            self._fail(error)
+
+    def _drained(self) -> bool:
+        """True once nothing is left to do before the dispatcher ends (lock held)."""
+        if self._policy is not None:
+            return self._state is State.DRAINING and not self._pending and not self._in_flight
+        return self._follower.drained(self._pending, len(self._in_flight))
+
+    def _run_receiver(self) -> None:
+        """A follower's receiver thread: read rank 0's decisions while tensors wait for one."""
+        follower = self._follower
+        try:
+            while True:
+                with self._cond:
+                    while follower.undecided_elements <= 0 and self._state is State.RUNNING:
+                        if self._cancel.is_set():
+                            return
+                        self._sleep(_WATCH_INTERVAL)
+                    if self._cancel.is_set():
+                        return
+                message = self._channel.receive(self._cancel)
+                if message is None:
+                    return
+                decisions = decode(message, self._epoch)
+                now = time.perf_counter()
+                with self._cond:
+                    if decisions is None:
+                        follower.stop_received = True
+                    else:
+                        follower.receive(decisions, now)
+                    self._cond.notify_all()
+                if decisions is None:
+                    return
+        except BaseException as error:  # noqa: BLE001
+            self._fail(error)
+
+    # ------------------------------------------------------------------ completion
+
+    def _on_done(self, op: Operation, error: Optional[BaseException]) -> None:
+        """A backend finished ``op`` (on the backend's thread); never raises into it."""
+        if error is not None:
+            self._fail(error)
+            return
+        now = time.perf_counter()
+        finished: List[Task] = []
+        with self._cond:
+            if self._in_flight.pop(op.op_id, None) is None:
+                return  # already failed and cleared
+            self._decider.finished(op)
+            for piece in op.pieces:
+                task = piece.task
+                task.remaining -= piece.stop - piece.start
+                if task.remaining == 0 and self._pending.pop((task.key, task.generation), None):
+                    finished.append(task)
+            if self._sleepers and self._completion_wakes(now):
+                self._cond.notify_all()
+        if self._timeline is not None and self._timeline.recording:
+            self._timeline.operation(op, finished, now)
+        for task in finished:
+            self._resolve(task)
+
+    def _resolve(self, task: Task) -> None:
+        callback_error = task.future.set_result(task)
+        # A task and its future refer to each other (the result is the task), a cycle only
+        # the garbage collector frees, at random times. Let go of the payload (a gradient, an
+        # adapter's job) once the callbacks have run, so its memory is reused at once.
+        task.payload = None
+        if callback_error is not None:
+            error = CallbackError(f"rank {self.rank}: a done-callback of {task} raised "
+                                  f"{type(callback_error).__name__}: {callback_error}")
+            error.__cause__ = callback_error
+            self._fail(error)
+
+    def _completion_wakes(self, now: float) -> bool:
+        """Whether a completion changes anything a sleeping thread waits for (lock held).
+
+        A wake-up costs a thread switch and a GIL hand-off on the rank's busy core (~3 per
+        operation measured ~0.1 ms of CPU each), so completions wake only when they let
+        rank 0 take queued work, when nothing is pending any more and someone waits in
+        ``flush``, or while a scheduler stops (draining). A follower's dispatcher waits for
+        decisions and its own tensors, never for completions.
+        """
+        if (self._flushers and not self._pending) or self._state is not State.RUNNING:
+            return True
+        if self._policy is None:
+            return self._follower.stop_received
+        return self._policy.can_launch(now)
+
     # ------------------------------------------------------------------ errors
 
     def _raise_if_unusable(self) -> None:
-        self._raise_error()
-        if self._stopping:
+        self._latch.raise_if_set()
+        if self._state is not State.RUNNING:
             raise SchedulerClosed("the scheduler was stopped; create a new one to communicate again")
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            self._error_raised = True
-            error = self._error
-            raise type(error)(str(error)) from error
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            failed = self._fail_locked(error)
-            error = self._error
-        for task in failed:
-            if not task.future.done():
-                task.future.set_exception(error)
-
-    def _fail_locked(self, error: BaseException) -> List[Task]:
-        """Record the first error, drop queued work; return the tasks whose futures must fail."""
-        if self._error is not None:
-            return []
-        if not isinstance(error, ByteSchedulerError):
-            wrapped = CommunicationError(
-                f"rank {self.rank}: communication failed ({type(error).__name__}: {error}); a peer "
-                "process may have died or the network failed"
-            )
-            wrapped.__cause__ = error
-            error = wrapped
-        logger.error("scheduler epoch %d failed: %s", self._epoch, error)
-        self._error = error
-        self._abandon.set()
-        failed = list(self._pending.values())
-        self._pending.clear()
-        self._heap.clear()
-        self._queued_bytes = 0
-        self._in_flight.clear()  # late completions of these are ignored
-        self._decided.clear()
-        self._cond.notify_all()
-        return failed
-
     def _check_deadlines(self, now: float) -> None:
-        """Fail when an operation or a follower's wait has lasted longer than the timeout."""
+        """Fail when an operation or a follower's wait has lasted longer than the timeout (lock held)."""
         if now < self._next_deadline_check:
             return
         self._next_deadline_check = now + _WATCH_INTERVAL
@@ -410,14 +479,8 @@ class Scheduler:
                     f"rank {self.rank}: {op} did not finish within {limit} s; a peer may have died or "
                     "stopped submitting (set BYTESCHEDULER_TIMEOUT to change the limit)"
                 )
-        if not self._leader:
-            if self._decided and now - self._decided[0][0] > limit:
-                lane, pieces = self._decided[0][1]
-                missing = [p[:2] for p in pieces if (p[0], p[1]) not in self._pending]
-                raise MismatchError(
-                    f"rank {self.rank}: rank 0 scheduled tensor(s) (key, generation) {missing} that this "
-                    f"rank has not submitted within {limit} s; every rank must submit the same tensors"
-                )
+        if self._policy is None:
+            self._follower.check_overdue(now, limit, self._pending)
             oldest = min((t.ready_time for t in self._pending.values()), default=now)
             if now - oldest > limit:
                 raise CommunicationTimeout(
@@ -425,276 +488,29 @@ class Scheduler:
                     f"{now - oldest:.0f} s ago; has rank 0 died or stopped submitting?"
                 )
 
-    # ------------------------------------------------------------------ leader
-
-    def _push_pieces(self, task: Task, now: float) -> None:
-        if not self._heap:
-            self._hold_since = now
-        for start, stop in partition_ranges(task.numel, task.itemsize, self.config.partition_bytes):
-            piece = Piece(task, start, stop)
-            piece.queued_time = now
-            heapq.heappush(self._heap, piece)
-        self._queued_bytes += task.nbytes
-
-    def _hold_remaining(self, now: float) -> float:
-        """Seconds the queued work may still wait for more to merge with; 0 when it must go (lock held).
-
-        Work is held while less than one operation's worth (``partition_bytes``) is queued,
-        for at most ``cycle_ms`` after the queue became non-empty, unless the burst ended
-        or the scheduler is stopping. Without ``merge`` (Horovod fuses by itself) nothing
-        would come of holding, so nothing is held.
-        """
-        cycle = self._cycle
-        if cycle <= 0 or not self.config.merge or self._hurry or self._stopping:
-            return 0.0
-        if self._queued_bytes >= self.config.partition_bytes:
-            return 0.0
-        return max(0.0, self._hold_since + cycle - now)
-
-    def _window(self, piece: Piece) -> Tuple[CreditWindow, int, int]:
-        """The credit window, lane and merge limit for an operation starting with ``piece``.
-
-        Small operations take the fast lane. A larger piece takes it too when the fast lane
-        is idle and every operation in flight on the main lane is less urgent: in the
-        backend's first-in-first-out queue it would otherwise wait for all of them (e.g. a
-        first layer's gradient of a few MiB behind the last layers' pieces).
-        """
-        fast = self._fast_credit
-        if fast is not None:
-            if piece.nbytes <= self.config.fast_lane_bytes:
-                return fast, 1, self.config.fast_lane_bytes
-            if fast.in_flight == 0 and self._credit.in_flight > 0 and piece.task.priority < min(
-                (op.pieces[0].task.priority for op in self._in_flight.values() if op.lane == 0),
-                default=float("-inf"),
-            ):
-                return fast, 1, piece.nbytes
-        return self._credit, 0, self.config.partition_bytes
-
-    def _ready_to_take(self, now: float) -> bool:
-        """True when the most urgent queued piece may go now and fits its credit (leader, lock held)."""
-        if not self._heap or self._hold_remaining(now) > 0:
-            return False
-        window, _, _ = self._window(self._heap[0])
-        return window.admits(self._heap[0].nbytes)
-
-    def _take_ops(self) -> List[Operation]:
-        """Pop what the credit admits now, highest priority first, fusing small neighbours.
-
-        Small operations go to the fast lane and count against its own window, so an urgent
-        small tensor (the first layers', ready last in backward) never waits for the large
-        pieces that fill the main credit; large ones count against ``credit_bytes``, except
-        an urgent one that finds the fast lane idle (see :meth:`_window`).
-        """
-        heap = self._heap
-        merge = self.config.merge
-        ops: List[Operation] = []
-        if heap and self._hold_remaining(time.perf_counter()) > 0:
-            return ops
-        while heap:
-            window, lane, limit = self._window(heap[0])
-            if not window.admits(heap[0].nbytes):
-                break
-            first = heapq.heappop(heap)
-            pieces = [first]
-            total = first.nbytes
-            fuse_key = first.task.fuse_key
-            if merge and fuse_key is not None:
-                while heap:
-                    candidate = heap[0]
-                    size = total + candidate.nbytes
-                    if (
-                        candidate.task.fuse_key != fuse_key
-                        or size > limit
-                        or window.in_flight + size > window.capacity
-                    ):
-                        break
-                    pieces.append(heapq.heappop(heap))
-                    total = size
-            window.take(total)
-            self._queued_bytes -= total
-            op = Operation(pieces, lane, next(self._op_ids))
-            op.launch_time = time.perf_counter()  # in flight from now on (deadline check)
-            self._in_flight[op.op_id] = op
-            ops.append(op)
-        if not heap:
-            self._hurry = False  # the next tensor starts a new cycle
-        return ops
-
-    def _lane_window(self, lane: int) -> CreditWindow:
-        return self._fast_credit if lane == 1 and self._fast_credit is not None else self._credit
-
-    def _run_dispatch(self) -> None:
-        """The dispatcher thread: take what may go now, publish it (leader), launch it.
-
-        Every operation is launched here, also when the thread that made it ready could
-        have: by the time the dispatcher runs, more gradients are usually ready and are
-        merged into fewer operations (launching from the submitting thread measured 8-10%
-        slower on loopback, see docs/benchmarks.md).
-        """
-        take = self._take_ops if self._leader else self._take_decided
-        try:
-            while True:
-                with self._cond:
-                    while True:
-                        if self._abandon.is_set():
-                            return
-                        now = time.perf_counter()
-                        ops = take()
-                        if ops or self._drained():
-                            break
-                        self._check_deadlines(now)
-                        held = self._hold_remaining(now) if self._leader and self._heap else 0.0
-                        self._sleep(min(held, _WATCH_INTERVAL) if held > 0 else _WATCH_INTERVAL)
-                if not ops:
-                    if self._leader and self._channel is not None:
-                        self._channel.publish(encode_stop(self._epoch))
-                    return
-                self._publish_and_launch(ops, now)
-        except BaseException as error:  # noqa: BLE001 - any failure must reach the user
-            self._fail(error)
-
-    def _publish_and_launch(self, ops: List[Operation], now: float) -> None:
-        """Publish the leader's decisions, then launch the operations."""
-        if self._leader and self._channel is not None:
-            decisions = [
-                (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
-                for op in ops
-            ]
-            self._channel.publish(encode_ops(self._epoch, decisions))
-        self._launch(ops, now)
-
-    def _drained(self) -> bool:
-        """True once stopping and nothing is left to do (lock held)."""
-        if self._leader:
-            return self._stopping and not self._pending and not self._in_flight
-        if self._stop_received and not self._decided and not self._in_flight:
-            if self._pending:
-                raise MismatchError(
-                    f"rank {self.rank}: rank 0 stopped while this rank still had "
-                    f"{len(self._pending)} tensor(s) to communicate; every rank "
-                    "must submit the same tensors"
-                )
-            return True
-        return False
-
-    def _launch(self, ops: List[Operation], now: float) -> None:
-        for op in ops:
-            op.launch_time = now
-            self._ops_launched += 1
-            self._pieces_launched += len(op.pieces)
-            self._backend.launch(op, lambda error, op=op: self._on_done(op, error))
-
-    def _on_done(self, op: Operation, error: Optional[BaseException]) -> None:
-        if error is not None:
-            self._fail(error)
-            return
-        now = time.perf_counter()
-        finished: List[Task] = []
+    def _fail(self, error: BaseException) -> None:
+        """Record the first error, give up queued work and fail the futures of pending tasks."""
         with self._cond:
-            if self._in_flight.pop(op.op_id, None) is None:
-                return  # already failed and cleared
-            self._lane_window(op.lane).release(op.nbytes)
-            for piece in op.pieces:
-                task = piece.task
-                task.remaining -= piece.stop - piece.start
-                if task.remaining == 0 and self._pending.pop((task.key, task.generation), None):
-                    finished.append(task)
-            if self._sleepers and self._completion_wakes(now):
-                self._cond.notify_all()
-        if self._timeline is not None and self._timeline.recording:
-            self._record(op, finished, now)
-        for task in finished:
-            task.future.set_result(task)
-            # A task and its future refer to each other (the result is the task), a cycle
-            # only the garbage collector frees, at random times. Let go of the payload (a
-            # gradient, an adapter's job) once the callbacks have run, so its memory is
-            # reused at once instead of being faulted in afresh by the next backward.
-            task.payload = None
-
-    def _completion_wakes(self, now: float) -> bool:
-        """Whether a completion changes anything a sleeping thread waits for (lock held).
-
-        A wake-up costs a thread switch and a GIL hand-off on the rank's busy core (~3 per
-        operation measured ~0.1 ms of CPU each), so completions wake only when they let the
-        leader take queued work, when nothing is pending any more and someone waits in
-        ``flush``, or while a scheduler stops (draining). A follower's dispatcher waits for
-        decisions and its own tensors, never for completions.
-        """
-        if (self._flushers and not self._pending) or self._stopping or self._stop_received:
-            return True
-        return self._leader and self._ready_to_take(now)
-
-    def _record(self, op: Operation, finished: List[Task], now: float) -> None:
-        timeline = self._timeline
-        names = "+".join(p.task.name for p in op.pieces)
-        for piece in op.pieces:
-            timeline.span("queue", piece.task.name, piece.queued_time, op.launch_time,
-                          {"start": piece.start, "stop": piece.stop})
-        timeline.span(f"lane{op.lane}", names, op.launch_time, now,
-                      {"bytes": op.nbytes, "pieces": len(op.pieces)})
-        for task in finished:
-            timeline.span("task", task.name, task.ready_time, now,
-                          {"key": task.key, "generation": task.generation, "bytes": task.nbytes,
-                           "priority": task.priority})
-
-    # ------------------------------------------------------------------ follower
-
-    def _run_receiver(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while self._undecided_elements <= 0 and not self._stopping:
-                        if self._abandon.is_set():
-                            return
-                        self._sleep(_WATCH_INTERVAL)
-                    if self._abandon.is_set():
-                        return
-                message = self._channel.receive(self._abandon)
-                if message is None:
-                    return
-                decisions = decode(message, self._epoch)
-                now = time.perf_counter()
-                with self._cond:
-                    if decisions is None:
-                        self._stop_received = True
-                        self._cond.notify_all()
-                        return
-                    for decision in decisions:
-                        self._decided.append((now, decision))
-                        for _, _, start, stop in decision[1]:
-                            self._undecided_elements -= stop - start
-                    self._cond.notify_all()
-        except BaseException as error:  # noqa: BLE001
-            self._fail(error)
-
-    def _take_decided(self) -> List[Operation]:
-        """Turn decided operations whose tensors are ready here into operations, in order."""
-        ops: List[Operation] = []
-        while self._decided:
-            _, (lane, spec) = self._decided[0]
-            pieces = []
-            for key, generation, start, stop in spec:
-                task = self._pending.get((key, generation))
-                if task is None:
-                    if generation < self._generations.get(key, 0):
-                        raise MismatchError(
-                            f"rank {self.rank}: rank 0 scheduled tensor key {key} generation {generation} "
-                            "again after it completed; ranks disagree on the tensors"
-                        )
-                    return ops
-                if stop > task.numel:
-                    raise MismatchError(
-                        f"rank {self.rank}: rank 0 has {stop}+ elements in tensor {task.name} (key {key}) "
-                        f"but this rank has {task.numel}; every rank must communicate tensors of the "
-                        "same shape"
-                    )
-                piece = Piece(task, start, stop)
-                piece.queued_time = task.ready_time
-                pieces.append(piece)
-            self._decided.popleft()
-            op = Operation(pieces, min(lane, self._lanes - 1), next(self._op_ids))
-            op.launch_time = time.perf_counter()
-            self._in_flight[op.op_id] = op
-            self._lane_window(op.lane).take(op.nbytes)
-            ops.append(op)
-        return ops
+            if self._latch:
+                return
+            if not isinstance(error, ByteSchedulerError):
+                wrapped = CommunicationError(
+                    f"rank {self.rank}: communication failed ({type(error).__name__}: {error}); a peer "
+                    "process may have died or the network failed"
+                )
+                wrapped.__cause__ = error
+                error = wrapped
+            logger.error("scheduler epoch %d failed: %s", self._epoch, error)
+            self._latch.set(error)
+            if self._state is State.RUNNING:
+                self._state = State.FAILED
+            elif self._state is State.DRAINING:
+                self._state = State.ABANDONED
+            self._cancel.set()
+            failed = list(self._pending.values())
+            self._pending.clear()
+            self._in_flight.clear()  # late completions of these are ignored
+            self._decider.clear()
+            self._cond.notify_all()
+        for task in failed:
+            task.future.set_exception(error)

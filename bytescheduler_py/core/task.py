@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 from typing import Any, Callable, Hashable, List, Optional
+
+from .log import logger
 
 
 class TaskFuture:
@@ -12,7 +13,9 @@ class TaskFuture:
 
     ``done()``, ``result(timeout)``, ``exception(timeout)`` and ``add_done_callback(fn)``
     behave as in ``concurrent.futures``; callbacks run in the thread that completes the
-    task (or at once if it is already done). It is lighter than the standard future (no
+    task (or at once if it is already done). A callback that raises does not keep the
+    others from running: the first such exception is logged and returned by
+    ``set_result``/``set_exception``, so whoever completes the task can report it. It is lighter than the standard future (no
     condition variable unless someone waits), which matters at one future per tensor.
     """
 
@@ -59,24 +62,35 @@ class TaskFuture:
                 return
         fn(self)
 
-    def _finish(self, result: Any, exception: Optional[BaseException]) -> None:
+    def _finish(self, result: Any, exception: Optional[BaseException]) -> Optional[BaseException]:
         with self._lock:
             if self._done:
-                return
+                return None
             self._result, self._exception = result, exception
             self._done = True
             callbacks, self._callbacks = self._callbacks, []
             event = self._event
         if event is not None:
             event.set()
+        # Every callback runs, whatever an earlier one did: one raising must not leave the
+        # others' tasks unresolved, nor escape into the backend's thread that completes us.
+        first: Optional[BaseException] = None
         for callback in callbacks:
-            callback(self)
+            try:
+                callback(self)
+            except Exception as error:  # noqa: BLE001 - handed to the caller below
+                logger.error("a done-callback of %r raised %s: %s", self._result, type(error).__name__, error)
+                if first is None:
+                    first = error
+        return first
 
-    def set_result(self, result: Any) -> None:
-        self._finish(result, None)
+    def set_result(self, result: Any) -> Optional[BaseException]:
+        """Resolve with ``result`` and run the callbacks; return the first exception one raised."""
+        return self._finish(result, None)
 
-    def set_exception(self, exception: BaseException) -> None:
-        self._finish(None, exception)
+    def set_exception(self, exception: BaseException) -> Optional[BaseException]:
+        """Fail with ``exception`` and run the callbacks; return the first exception one raised."""
+        return self._finish(None, exception)
 
 
 class Task:
@@ -146,28 +160,17 @@ class Task:
         )
 
 
-_sequence = itertools.count()
-
-
 class Piece:
     """A contiguous element range ``[start, stop)`` of a task's flat payload."""
 
-    __slots__ = ("task", "start", "stop", "nbytes", "seq", "queued_time")
+    __slots__ = ("task", "start", "stop", "nbytes", "queued_time")
 
     def __init__(self, task: Task, start: int, stop: int) -> None:
         self.task = task
         self.start = start
         self.stop = stop
         self.nbytes = (stop - start) * task.itemsize
-        self.seq = next(_sequence)
         self.queued_time = 0.0
-
-    def __lt__(self, other: "Piece") -> bool:
-        # Heap order: priority, then arrival (first come, first served among equals).
-        mine, theirs = self.task.priority, other.task.priority
-        if mine != theirs:
-            return mine < theirs
-        return self.seq < other.seq
 
     def __repr__(self) -> str:
         return f"Piece({self.task.name!r}, [{self.start}, {self.stop}))"
@@ -178,10 +181,10 @@ class Operation:
 
     __slots__ = ("pieces", "lane", "nbytes", "op_id", "launch_time", "context")
 
-    def __init__(self, pieces: List[Piece], lane: int, op_id: int) -> None:
+    def __init__(self, pieces: List[Piece], lane: int, op_id: int, nbytes: Optional[int] = None) -> None:
         self.pieces = pieces
         self.lane = lane
-        self.nbytes = sum(p.nbytes for p in pieces)
+        self.nbytes = sum(p.nbytes for p in pieces) if nbytes is None else nbytes
         self.op_id = op_id
         self.launch_time = 0.0
         self.context: Any = None

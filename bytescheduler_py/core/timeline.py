@@ -11,7 +11,10 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from .task import Operation, Task
 
 _FLUSH_EVERY = 4096
 
@@ -79,6 +82,19 @@ class Timeline:
                         "tid": 0, "ts": self._us(end)})
             if len(self._events) >= _FLUSH_EVERY:
                 self._flush()
+
+    def operation(self, op: "Operation", finished: "List[Task]", end: float) -> None:
+        """Record one finished operation: its pieces' time in the queue, its time in flight on
+        its lane, and the tasks it finished (ready to done)."""
+        names = "+".join(p.task.name for p in op.pieces)
+        for piece in op.pieces:
+            self.span("queue", piece.task.name, piece.queued_time, op.launch_time,
+                      {"start": piece.start, "stop": piece.stop})
+        self.span(f"lane{op.lane}", names, op.launch_time, end, {"bytes": op.nbytes, "pieces": len(op.pieces)})
+        for task in finished:
+            self.span("task", task.name, task.ready_time, end,
+                      {"key": task.key, "generation": task.generation, "bytes": task.nbytes,
+                       "priority": task.priority})
 
     def _flush(self) -> None:
         if not self._events or self._file is None:

@@ -1,0 +1,208 @@
+"""The scheduling policy: what rank 0 decides, as a pure object.
+
+:class:`SchedulingPolicy` owns no thread, socket, lock or clock. It is fed events (a task
+became ready, an operation finished, the burst ended) with the time passed in, and it
+answers :meth:`~SchedulingPolicy.decide` with the operations to launch now: pieces of at
+most ``partition_bytes``, most urgent first (priority, then arrival), small neighbours of
+one fuse key merged, admitted under the credit, small or urgent ones on the fast lane.
+The runtime (:class:`~bytescheduler.core.scheduler.Scheduler`) drives it with real time
+and real completions; tests drive it with a fake clock; a simulator can drive the very
+same object with simulated time.
+
+>>> from bytescheduler.core.task import Task
+>>> policy = SchedulingPolicy(partition_bytes=16, credit_bytes=32)
+>>> for key, numel, priority in [(0, 40, 2), (1, 4, 0), (2, 4, 1)]:
+...     policy.add(Task(key, numel, itemsize=1, priority=priority, payload=None, fuse_key="f32"), now=0.0)
+>>> [(op.nbytes, [p.task.key for p in op.pieces]) for op in policy.decide(now=0.0)]
+[(8, [1, 2]), (16, [0])]
+>>> policy.decide(now=0.0), policy.queued_bytes  # the credit is full
+([], 24)
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Dict, List, Optional, Tuple
+
+from .credit import CreditWindow
+from .partition import partition_ranges
+from .task import Operation, Piece, Task
+
+
+class SchedulingPolicy:
+    """Priority, partition, merge, credit, fast lane and cycle: every choice rank 0 makes.
+
+    Args:
+        partition_bytes: largest piece, and largest merged operation on the main lane.
+        credit_bytes: bytes in flight at most on the main lane (one larger piece may go
+            alone when nothing is in flight).
+        merge: fuse consecutive heap-top pieces of tasks with equal, non-None fuse keys.
+        fast_lane_bytes: operations this small go to lane 1 under a window of their own;
+            0 (or ``lanes == 1``) turns the fast lane off.
+        lanes: how many FIFO lanes the backend has.
+        cycle_seconds: how long queued work smaller than ``partition_bytes`` may be held
+            so more arrives to merge with (see :meth:`hold_remaining`); 0: never held.
+
+    Not thread-safe: its owner calls it under one lock. Times are seconds on any clock.
+    """
+
+    def __init__(
+        self,
+        partition_bytes: int,
+        credit_bytes: int,
+        merge: bool = True,
+        fast_lane_bytes: int = 0,
+        lanes: int = 1,
+        cycle_seconds: float = 0.0,
+    ) -> None:
+        self.partition_bytes = partition_bytes
+        self.merge = merge
+        self.fast_lane_bytes = fast_lane_bytes
+        self.cycle_seconds = cycle_seconds
+        self.main = CreditWindow(credit_bytes)
+        self.fast: Optional[CreditWindow] = CreditWindow(fast_lane_bytes) if lanes > 1 and fast_lane_bytes > 0 else None
+        # (priority, arrival, piece): tuples compare in C, and arrival is unique.
+        self._heap: List[Tuple[float, int, Piece]] = []
+        self._arrivals = 0
+        self._op_ids = 0
+        self.queued_bytes = 0
+        self._hold_since = 0.0
+        self._hurry = False  # the burst ended: what is queued goes without waiting
+        self._draining = False  # stopping: nothing is held any more
+        self._main_priorities: Dict[int, float] = {}  # op id -> priority, main lane in flight
+
+    # ------------------------------------------------------------------ events
+
+    def add(self, task: Task, now: float) -> None:
+        """``task`` is ready: cut it into pieces and queue them."""
+        if not self._heap:
+            self._hold_since = now
+        priority = task.priority
+        heap = self._heap
+        for start, stop in partition_ranges(task.numel, task.itemsize, self.partition_bytes):
+            piece = Piece(task, start, stop)
+            piece.queued_time = now
+            self._arrivals += 1
+            heapq.heappush(heap, (priority, self._arrivals, piece))
+        self.queued_bytes += task.nbytes
+
+    def finished(self, op: Operation) -> None:
+        """``op`` (one this policy decided) completed: its credit is free again."""
+        self.window(op.lane).release(op.nbytes)
+        self._main_priorities.pop(op.op_id, None)
+
+    def end_burst(self) -> bool:
+        """No more tasks are coming soon: stop holding what is queued. True if that changed anything."""
+        if self._heap and not self._hurry:
+            self._hurry = True
+            return True
+        return False
+
+    def drain(self) -> None:
+        """The scheduler is stopping: never hold work again."""
+        self._draining = True
+
+    def clear(self) -> None:
+        """Forget queued work and operations in flight (after a failure)."""
+        self._heap.clear()
+        self.queued_bytes = 0
+        self._main_priorities.clear()
+
+    def reconfigure(self, partition_bytes: Optional[int] = None, credit_bytes: Optional[int] = None) -> None:
+        """New sizes from now on; pieces already queued keep theirs."""
+        if partition_bytes is not None:
+            self.partition_bytes = partition_bytes
+        if credit_bytes is not None:
+            self.main.capacity = credit_bytes
+
+    # ------------------------------------------------------------------ questions
+
+    @property
+    def queued(self) -> int:
+        """How many pieces wait in the queue."""
+        return len(self._heap)
+
+    def window(self, lane: int) -> CreditWindow:
+        """The credit window of ``lane``."""
+        return self.fast if lane == 1 and self.fast is not None else self.main
+
+    def hold_remaining(self, now: float) -> float:
+        """Seconds queued work may still wait for more to merge with; 0 when it must go.
+
+        Work is held while less than one operation's worth (``partition_bytes``) is queued,
+        for at most ``cycle_seconds`` after the queue became non-empty, unless the burst
+        ended or the scheduler drains. Without ``merge`` nothing would come of holding.
+        """
+        cycle = self.cycle_seconds
+        if cycle <= 0 or not self.merge or self._hurry or self._draining or not self._heap:
+            return 0.0
+        if self.queued_bytes >= self.partition_bytes:
+            return 0.0
+        return max(0.0, self._hold_since + cycle - now)
+
+    def can_launch(self, now: float) -> bool:
+        """True when :meth:`decide` would return an operation now."""
+        if not self._heap or self.hold_remaining(now) > 0:
+            return False
+        first = self._heap[0][2]
+        window, _, _ = self._lane_for(first)
+        return window.admits(first.nbytes)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _lane_for(self, piece: Piece) -> Tuple[CreditWindow, int, int]:
+        """The credit window, lane and merge limit of an operation starting with ``piece``.
+
+        Small operations take the fast lane. A larger piece takes it too when the fast lane
+        is idle and every operation in flight on the main lane is less urgent: in the
+        backend's first-in-first-out queue it would otherwise wait for all of them (e.g. a
+        first layer's gradient of a few MiB behind the last layers' pieces).
+        """
+        fast = self.fast
+        if fast is not None:
+            if piece.nbytes <= self.fast_lane_bytes:
+                return fast, 1, self.fast_lane_bytes
+            if (fast.in_flight == 0 and self._main_priorities
+                    and piece.task.priority < min(self._main_priorities.values())):
+                return fast, 1, piece.nbytes
+        return self.main, 0, self.partition_bytes
+
+    def decide(self, now: float) -> List[Operation]:
+        """Pop what the credit admits now, most urgent first, fusing small neighbours.
+
+        Returns nothing while the queue is held for merging (:meth:`hold_remaining`).
+        The operations count as in flight from here until :meth:`finished`.
+        """
+        heap = self._heap
+        ops: List[Operation] = []
+        if not heap or self.hold_remaining(now) > 0:
+            return ops
+        while heap:
+            first = heap[0][2]
+            window, lane, limit = self._lane_for(first)
+            if not window.admits(first.nbytes):
+                break
+            heapq.heappop(heap)
+            pieces = [first]
+            total = first.nbytes
+            fuse_key = first.task.fuse_key
+            if self.merge and fuse_key is not None:
+                room = min(limit, window.capacity - window.in_flight)
+                while heap:
+                    candidate = heap[0][2]
+                    size = total + candidate.nbytes
+                    if candidate.task.fuse_key != fuse_key or size > room:
+                        break
+                    heapq.heappop(heap)
+                    pieces.append(candidate)
+                    total = size
+            window.take(total)
+            self.queued_bytes -= total
+            self._op_ids += 1
+            op = Operation(pieces, lane, self._op_ids, total)
+            if lane == 0:
+                self._main_priorities[op.op_id] = first.task.priority
+            ops.append(op)
+        if not heap:
+            self._hurry = False  # the next task starts a new cycle
+        return ops
