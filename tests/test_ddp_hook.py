@@ -196,7 +196,7 @@ def _two_models(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bytescheduler.pytorch as bsp
-    from bytescheduler.pytorch import TorchCommunicator
+    from bytescheduler.pytorch import ProcessGroups
 
     differences = []
     for _ in range(2):  # the second pass must reuse the groups of the first
@@ -220,12 +220,12 @@ def _two_models(rank, world_size):
                                        for a, b in zip(ours.parameters(), theirs.parameters())))
         for state in states:
             state.close()
-    pools = {key[1:]: len(pool) for key, pool in TorchCommunicator._pools.items()}
+    pools = {key[1:]: len(pool) for key, pool in ProcessGroups._pools.items()}
     return max(differences), pools
 
 
 def test_two_states_at_once_and_reuse_of_groups():
     for difference, pools in run_ranks(_two_models, 2, deadline=180):
         assert difference == 0.0
-        # Two states were alive at once, so two communicators; the second pass reused them.
+        # Two states were alive at once, so two sets of groups; the second pass reused them.
         assert list(pools.values()) == [2], pools

@@ -390,7 +390,7 @@ def _subgroup(rank, world_size, members):
     else:
         # Creating a state is collective over the default group: a process outside the group
         # creates one too, in the same order as the members, passing what dist.new_group
-        # returned to it (documented on ScheduledHookState and TorchCommunicator.for_group).
+        # returned to it (documented on ScheduledHookState and ProcessGroups.claim).
         out["non_member_error"] = None
         try:
             for config_name in SUBGROUP_CONFIGS:

@@ -14,14 +14,14 @@ SIZES = [3, 70_000, 1_000, 250_000, 17, 40_000, 5_000, 120_000]
 
 def _skewed_iterations(rank, world_size, fast_lane_bytes):
     from bytescheduler.core import Scheduler, Task
-    from bytescheduler.pytorch import TorchCommunicator
+    from bytescheduler.pytorch import AllReduceBackend, ProcessGroups
 
-    communicator = TorchCommunicator.for_group(timeout=60)
+    groups = ProcessGroups.claim(timeout=60)
     rng = random.Random(1000 + rank)
     checked = 0
     with Scheduler(
-        communicator,
-        channel=communicator,
+        AllReduceBackend(groups),
+        channel=groups.order,
         rank=rank,
         partition_bytes=64 * 1024,
         credit_bytes=256 * 1024,
@@ -52,7 +52,7 @@ def _skewed_iterations(rank, world_size, fast_lane_bytes):
                 )
                 checked += 1
         stats = scheduler.stats
-    communicator.release()
+    groups.release()
     return checked, stats
 
 

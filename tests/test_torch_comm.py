@@ -1,5 +1,5 @@
-"""TorchCommunicator: the order channel (TCP, or gloo when a rank cannot reach rank 0), and
-exit safety: gloo's threads never free a Python object at exit.
+"""The torch.distributed parts: the order channel (TCP, or gloo when a rank cannot reach rank 0),
+and exit safety: gloo's threads never free a Python object at exit.
 
 A gloo thread takes the GIL to free a done-callback it has run and to drop its reference
 to a tensor's Python object; if the script has ended by then, the process aborts with
@@ -16,14 +16,14 @@ import time
 import pytest
 import torch
 
-from bytescheduler.pytorch.comm import _Keeper
+from bytescheduler.pytorch.keeper import Keeper
 from tests.distributed import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_keeper_waits_for_a_callback_that_ran_until_it_is_freed():
-    keeper = _Keeper()
+    keeper = Keeper()
     seen = []
     future = torch.futures.Future()
     callback = keeper.wrap(seen.append)
@@ -41,7 +41,7 @@ def test_keeper_waits_for_a_callback_that_ran_until_it_is_freed():
 def _watch_while_work_lives(rank, world_size):
     import torch.distributed as dist
 
-    keeper = _Keeper()
+    keeper = Keeper()
     tensor = torch.ones(1000).narrow(0, 0, 500)
     work = dist.all_reduce(tensor, async_op=True)
     keeper.watch(tensor)
@@ -62,22 +62,22 @@ _ENDS_AT_ONCE = textwrap.dedent(
     """
     import sys, threading, time
     import torch, torch.distributed as dist
-    import bytescheduler.pytorch.comm as comm
     from bytescheduler.core.task import Operation, Piece, Task
+    from bytescheduler.pytorch import AllReduceBackend, ProcessGroups
 
     class SlowToFree:  # lets go of the GIL while it is being freed, like any blocking __del__
         def __del__(self):
             time.sleep(0.3)
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
-    communicator = comm.TorchCommunicator.for_group(None, timeout=30.0)
+    backend = AllReduceBackend(ProcessGroups.claim(None, timeout=30.0))
     called = threading.Event()
 
     def done(error, slow=SlowToFree()):  # only the callback refers to the SlowToFree
         called.set()
 
     task = Task(key=0, numel=1000, itemsize=4, priority=0, payload=torch.ones(1000))
-    communicator.launch(Operation([Piece(task, 0, 1000)], 0, 0), done)
+    backend.launch(Operation([Piece(task, 0, 1000)], 0, 0), done)
     del done, task
     called.wait(30)  # done: end the script while gloo's thread may still be freeing things
     """
@@ -91,20 +91,21 @@ def test_script_ending_right_after_a_completion_exits_cleanly():
 
 
 def _schedule_sums(rank, world_size, unreachable_rank):
-    import bytescheduler.pytorch.comm as comm
+    import bytescheduler.pytorch.order as order
     from bytescheduler.core import Scheduler, Task
     from bytescheduler.core.errors import CommunicationError
+    from bytescheduler.pytorch import AllReduceBackend, ProcessGroups
 
     if rank == unreachable_rank:
         def cannot_connect(self, address, token=0, timeout=None):
             raise CommunicationError(f"rank {rank}: no route to {address}")
-        comm.TcpOrderChannel.join = cannot_connect
+        order.TcpOrderChannel.join = cannot_connect
     if unreachable_rank == "unresolvable" and rank == 0:
         def unresolvable(peer_host=None):
             raise socket.gaierror(-2, "Name or service not known")
-        comm.local_address = unresolvable  # rank 0 offers 127.0.0.1 instead: fine on one machine
-    communicator = comm.TorchCommunicator.for_group(None, timeout=30.0)
-    scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, partition_bytes=256,
+        order.local_address = unresolvable  # rank 0 offers 127.0.0.1 instead: fine on one machine
+    groups = ProcessGroups.claim(None, timeout=30.0)
+    scheduler = Scheduler(AllReduceBackend(groups), channel=groups.order, rank=groups.rank, partition_bytes=256,
                           credit_bytes=512)
     tensors = [torch.full((100,), float((rank + 1) * (key + 1))) for key in range(6)]
     futures = []
@@ -116,8 +117,8 @@ def _schedule_sums(rank, world_size, unreachable_rank):
     for future in futures:
         future.result(timeout=30)
     scheduler.stop()
-    communicator.release()
-    return communicator._order is not None, [tensor.unique().tolist() for tensor in tensors]
+    groups.release()
+    return isinstance(groups.order, order.TcpOrderChannel), [tensor.unique().tolist() for tensor in tensors]
 
 
 @pytest.mark.parametrize("unreachable_rank", [None, 1, 2, "unresolvable"])

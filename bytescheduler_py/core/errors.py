@@ -49,6 +49,19 @@ class CallbackError(ByteSchedulerError):
     """A done-callback of a task raised; the original exception is the ``__cause__``."""
 
 
+def as_library_error(error: BaseException, rank: int) -> ByteSchedulerError:
+    """``error`` itself when bytescheduler raised it; otherwise a :class:`CommunicationError`
+    caused by it (a backend's exception: a peer died, the network failed)."""
+    if isinstance(error, ByteSchedulerError):
+        return error
+    wrapped = CommunicationError(
+        f"rank {rank}: communication failed ({type(error).__name__}: {error}); a peer "
+        "process may have died or the network failed"
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
 def copy_of(error: BaseException) -> BaseException:
     """A new exception of ``error``'s type with its arguments and attributes, chained to it.
 

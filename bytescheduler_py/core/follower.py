@@ -6,27 +6,30 @@ order, each as soon as every tensor it names has been submitted here. Like the p
 :class:`Follower` is a pure object: the runtime feeds it received decisions and its own
 submitted tasks, and asks it which operations may go now.
 
+>>> from bytescheduler.core.ledger import Ledger
 >>> from bytescheduler.core.task import Task
->>> follower = Follower(rank=1, lanes=1)
+>>> ledger = Ledger(rank=1)
+>>> follower = Follower(rank=1, lanes=1, ledger=ledger)
 >>> follower.receive([(0, [(7, 0, 0, 4)])], now=0.0)
->>> follower.take(pending={}, generations={})  # tensor 7 is not ready here yet
+>>> follower.decide(now=0.0)  # tensor 7 is not submitted here yet
 []
->>> task = Task(key=7, numel=4, itemsize=4, priority=0, payload=None); task.generation = 0
->>> [op.nbytes for op in follower.take(pending={(7, 0): task}, generations={7: 1})]
+>>> task = Task(key=7, numel=4, itemsize=4, priority=0, payload=None)
+>>> ledger.add(task); follower.add(task, now=0.0)
+True
+>>> [op.nbytes for op in follower.decide(now=0.0)]
 [16]
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 from .credit import CreditWindow
 from .errors import MismatchError
+from .ledger import Ledger
 from .ordering import Decision
 from .task import Operation, Piece, Task
-
-Pending = Dict[Tuple[int, int], Task]
 
 
 class Follower:
@@ -36,11 +39,18 @@ class Follower:
     decided yet: the runtime reads from the channel only while it is positive, so time
     between iterations never counts against a timeout. The windows only account bytes in
     flight (for statistics): a follower never enforces the credit, rank 0 did.
+
+    It answers the runtime as :class:`~bytescheduler.core.policy.SchedulingPolicy` does
+    (``add``, ``decide``, ``finished``, ...); what only rank 0 does (holding work to merge,
+    draining, resizing) costs nothing here. The ``ledger`` holds this rank's tasks.
     """
 
-    def __init__(self, rank: int, lanes: int) -> None:
+    cycle_seconds = 0.0
+
+    def __init__(self, rank: int, lanes: int, ledger: Ledger) -> None:
         self.rank = rank
         self._lanes = lanes
+        self._ledger = ledger
         self._decided: Deque[Tuple[float, Decision]] = deque()
         self._op_ids = 0
         self.undecided_elements = 0
@@ -53,9 +63,10 @@ class Follower:
 
     # ------------------------------------------------------------------ events
 
-    def expect(self, task: Task) -> None:
-        """``task`` was submitted here; rank 0 will decide its pieces."""
+    def add(self, task: Task, now: float) -> bool:
+        """``task`` was submitted here; rank 0 will decide its pieces. True: read the channel."""
         self.undecided_elements += task.numel
+        return True
 
     def receive(self, decisions: Sequence[Decision], now: float) -> None:
         """Rank 0's next decisions arrived at ``now``."""
@@ -70,15 +81,32 @@ class Follower:
     def clear(self) -> None:
         self._decided.clear()
 
+    def hold_remaining(self, now: float) -> float:
+        return 0.0
+
+    def end_burst(self) -> bool:
+        return False
+
+    def drain(self) -> None:
+        pass
+
+    def reconfigure(self, partition_bytes: Optional[int] = None, credit_bytes: Optional[int] = None) -> None:
+        pass
+
+    def wake_on_completion(self, now: float) -> bool:
+        """A completion matters to a follower's waiting threads only once rank 0 said STOP."""
+        return self.stop_received
+
     # ------------------------------------------------------------------ decisions
 
-    def take(self, pending: Pending, generations: Dict[int, int]) -> List[Operation]:
+    def decide(self, now: float) -> List[Operation]:
         """The decided operations whose tensors are all submitted here, in decision order.
 
         Stops at the first decision naming a tensor not submitted yet. Raises
         :class:`MismatchError` when a decision cannot be this rank's (a tensor already
         done, or a range beyond its size).
         """
+        pending, generations = self._ledger.pending, self._ledger.generations
         ops: List[Operation] = []
         while self._decided:
             _, (lane, spec) = self._decided[0]
@@ -108,8 +136,10 @@ class Follower:
             ops.append(op)
         return ops
 
-    def check_overdue(self, now: float, limit: float, pending: Pending) -> None:
-        """Raise when a decision has waited ``limit`` seconds for tensors this rank never submitted."""
+    def check_overdue(self, now: float, limit: float) -> None:
+        """Raise when a decision waited ``limit`` s for tensors this rank never submitted, or a
+        tensor waited that long for a decision."""
+        pending = self._ledger.pending
         if self._decided and now - self._decided[0][0] > limit:
             _, pieces = self._decided[0][1]
             missing = [p[:2] for p in pieces if (p[0], p[1]) not in pending]
@@ -117,17 +147,18 @@ class Follower:
                 f"rank {self.rank}: rank 0 scheduled tensor(s) (key, generation) {missing} that this "
                 f"rank has not submitted within {limit} s; every rank must submit the same tensors"
             )
+        self._ledger.check_undecided(now, limit)
 
-    def drained(self, pending: Pending, in_flight: int) -> bool:
+    def drained(self) -> bool:
         """True once rank 0 said STOP and every decision was issued and finished.
 
         Raises :class:`MismatchError` when tensors of this rank are left that rank 0 never had.
         """
-        if not self.stop_received or self._decided or in_flight:
+        if not self.stop_received or self._decided or self._ledger.in_flight:
             return False
-        if pending:
+        if self._ledger.pending:
             raise MismatchError(
                 f"rank {self.rank}: rank 0 stopped while this rank still had "
-                f"{len(pending)} tensor(s) to communicate; every rank must submit the same tensors"
+                f"{len(self._ledger.pending)} tensor(s) to communicate; every rank must submit the same tensors"
             )
         return True

@@ -73,9 +73,14 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------------ events
 
-    def add(self, task: Task, now: float) -> None:
-        """``task`` is ready: cut it into pieces and queue them."""
-        if not self._heap:
+    def add(self, task: Task, now: float) -> bool:
+        """``task`` is ready: cut it into pieces and queue them.
+
+        Returns True when its driver should ask :meth:`decide` (now, or when a hold that
+        begins with this task ends): while the credit is full there is nothing to do.
+        """
+        begins = not self._heap
+        if begins:
             self._hold_since = now
         priority = task.priority
         heap = self._heap
@@ -85,6 +90,7 @@ class SchedulingPolicy:
             self._arrivals += 1
             heapq.heappush(heap, (priority, self._arrivals, piece))
         self.queued_bytes += task.nbytes
+        return (begins and self.cycle_seconds > 0) or self.can_launch(now)
 
     def finished(self, op: Operation) -> None:
         """``op`` (one this policy decided) completed: its credit is free again."""
@@ -147,6 +153,10 @@ class SchedulingPolicy:
         first = self._heap[0][2]
         window, _, _ = self._lane_for(first)
         return window.admits(first.nbytes)
+
+    def wake_on_completion(self, now: float) -> bool:
+        """After :meth:`finished`: True when the freed credit lets queued work go."""
+        return self.can_launch(now)
 
     # ------------------------------------------------------------------ decisions
 

@@ -27,22 +27,17 @@ import enum
 import itertools
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
-from .backend import Backend, Done  # noqa: F401 - Done is re-exported for backends
+from .backend import Backend
 from .config import SchedulerConfig
-from .errors import (
-    ByteSchedulerError,
-    CallbackError,
-    CommunicationError,
-    CommunicationTimeout,
-    ErrorLatch,
-    SchedulerClosed,
-)
+from .errors import CallbackError, CommunicationTimeout, ErrorLatch, SchedulerClosed, as_library_error
 from .follower import Follower
+from .ledger import Ledger
 from .log import configure_logging, logger
-from .ordering import OrderChannel, decode, encode_ops, encode_stop
+from .ordering import OrderChannel, encode_ops, encode_stop
 from .policy import SchedulingPolicy
+from .receiver import DecisionReceiver
 from .task import Operation, Task, TaskFuture
 from .timeline import Timeline
 from .tuning import AutoTuner
@@ -67,14 +62,12 @@ class Scheduler:
 
     Args:
         backend: what moves the bytes (see :class:`~bytescheduler.core.backend.Backend`).
-        channel: carries rank 0's order to the other ranks; None when the backend does not
-            need one order on all ranks (a single rank).
+        channel: carries rank 0's order to the other ranks; None for a single rank.
         rank: this process's rank, for logs and the timeline.
         config: a :class:`SchedulerConfig`; keyword arguments (``partition_bytes``,
             ``credit_bytes``, ...) override it and the ``BYTESCHEDULER_*`` environment.
-        tuning_agree: with ``auto_tune`` and no channel, maps this rank's measured step
-            time to the value every rank uses (e.g. a broadcast from rank 0), for backends
-            whose ranks must partition alike; None when each rank may tune alone.
+        tuning_agree: with ``auto_tune`` and no channel, maps this rank's step time to the
+            one every rank uses (for ranks that must partition alike without a channel).
         tuning: further :class:`~bytescheduler.core.tuning.AutoTuner` options, e.g.
             ``{"min_partition_bytes": n}`` for a backend that cannot cut finer.
 
@@ -106,19 +99,14 @@ class Scheduler:
         self._state = State.RUNNING
         self._latch = ErrorLatch()
         self._cancel = threading.Event()  # set once work is given up: every thread ends
+        self._ledger = Ledger(rank)
+        # What decides: the policy on rank 0 (or alone), the replay of its decisions elsewhere.
         self._decider: Union[SchedulingPolicy, Follower]
         if self._leader:
-            self._policy: Optional[SchedulingPolicy] = SchedulingPolicy(
-                config.partition_bytes, config.credit_bytes, config.merge, config.fast_lane_bytes, lanes,
-                config.cycle_ms / 1000.0)
-            self._decider = self._policy
+            self._decider = SchedulingPolicy(config.partition_bytes, config.credit_bytes, config.merge,
+                                             config.fast_lane_bytes, lanes, config.cycle_ms / 1000.0)
         else:
-            self._policy = None
-            self._follower = Follower(rank, lanes)
-            self._decider = self._follower
-        self._pending: Dict[tuple, Task] = {}  # (key, generation) -> task submitted, not done
-        self._generations: Dict[int, int] = {}
-        self._in_flight: Dict[int, Operation] = {}
+            self._decider = Follower(rank, lanes, self._ledger)
         self._next_deadline_check = 0.0
         self._sleepers = 0  # threads waiting on _cond
         self._flushers = 0  # of which in flush(), waiting for nothing to be pending
@@ -137,8 +125,10 @@ class Scheduler:
         self._threads = [threading.Thread(target=self._run_dispatch, name=f"bytescheduler-dispatch-r{rank}",
                                           daemon=True)]
         if not self._leader:
-            self._threads.append(threading.Thread(target=self._run_receiver, name=f"bytescheduler-receive-r{rank}",
-                                                  daemon=True))
+            follower = self._decider
+            idle = lambda: follower.undecided_elements <= 0 and self._state is State.RUNNING  # noqa: E731
+            self._threads.append(DecisionReceiver(channel, self._epoch, follower, self._cond, idle, self._sleep,
+                                                  self._cancel, self._fail, f"bytescheduler-receive-r{rank}").thread)
         for thread in self._threads:
             thread.start()
 
@@ -146,53 +136,36 @@ class Scheduler:
 
     def submit(self, task: Task) -> TaskFuture:
         """Queue ``task`` (its tensor is ready now); its future resolves when it is communicated.
-
-        Raises the scheduler's error if an earlier operation failed.
-        """
+        Raises the scheduler's error if an earlier operation failed."""
         now = time.perf_counter()
         task.ready_time = now
         with self._cond:
             self._raise_if_unusable()
             if task.numel > 0:
-                generation = self._generations.get(task.key, 0)
-                self._generations[task.key] = generation + 1
-                task.generation = generation
-                self._pending[(task.key, generation)] = task
-                policy = self._policy
-                if policy is not None:
-                    was_empty = not policy.queued
-                    policy.add(task, now)
-                    # While the credit is full (most of a backward pass on a slow link) there
-                    # is nothing to launch; a completion wakes the dispatcher then. Work held
-                    # for merging wakes it once, to time the hold.
-                    if self._sleepers and (policy.can_launch(now) or (was_empty and policy.cycle_seconds > 0)):
-                        self._cond.notify_all()
-                else:
-                    self._follower.expect(task)
-                    if self._sleepers:  # the receiver waits for undecided work
-                        self._cond.notify_all()
+                self._ledger.add(task)
+                # While the credit is full (most of a backward pass on a slow link) there is
+                # nothing to launch, and a wake-up would only cost the busy core a switch.
+                if self._decider.add(task, now) and self._sleepers:
+                    self._cond.notify_all()
                 return task.future
         self._resolve(task)
         return task.future
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every submitted task has been communicated.
-
-        Raises :class:`CommunicationTimeout` after ``timeout`` seconds (default: the
-        configured timeout) and the scheduler's error if an operation failed.
-        """
+        """Wait until every submitted task has been communicated; raises
+        :class:`CommunicationTimeout` after ``timeout`` s (default: the configured one)."""
         limit = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._cond:
             self._end_burst_locked()
             self._flushers += 1
             try:
-                while self._pending and not self._latch:
+                while self._ledger.pending and not self._latch:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise CommunicationTimeout(
-                            f"rank {self.rank}: {len(self._pending)} tensor(s) not communicated within "
-                            f"{limit} s (e.g. {next(iter(self._pending.values()))}); is every rank "
+                            f"rank {self.rank}: {len(self._ledger.pending)} tensor(s) not communicated within "
+                            f"{limit} s (e.g. {next(iter(self._ledger.pending.values()))}); is every rank "
                             "submitting the same tensors, and is every peer alive?"
                         )
                     self._sleep(min(remaining, _WATCH_INTERVAL))
@@ -201,18 +174,14 @@ class Scheduler:
             self._latch.raise_if_set()
 
     def end_burst(self) -> None:
-        """Tell the scheduler no more tensors are coming soon (e.g. backward has ended).
-
-        What is queued stops waiting to be merged (``cycle_ms``) and goes out as the credit
-        allows; the next tensor submitted after the queue empties starts a new cycle.
-        Costs nothing when ``cycle_ms`` is 0.
-        """
-        if self._policy is not None and self._policy.cycle_seconds > 0:
+        """No more tensors are coming soon (e.g. backward ended): what is queued stops waiting
+        to be merged (``cycle_ms``). Costs nothing when ``cycle_ms`` is 0."""
+        if self._decider.cycle_seconds > 0:
             with self._cond:
                 self._end_burst_locked()
 
     def _end_burst_locked(self) -> None:
-        if self._policy is not None and self._policy.end_burst() and self._sleepers:
+        if self._decider.end_burst() and self._sleepers:
             self._cond.notify_all()
 
     def check(self) -> None:
@@ -229,23 +198,16 @@ class Scheduler:
         return self._timeline
 
     def step_boundary(self) -> None:
-        """Tell the scheduler a training step begins (adapters call it once per step).
-
-        Drives auto-tuning when it is on; costs nothing otherwise.
-        """
+        """A training step begins (adapters call it once per step): drives auto-tuning, if on."""
         if self.tuner is not None and not self.tuner.done:
             self.tuner.on_step()
 
     def reconfigure(self, partition_bytes: Optional[int] = None, credit_bytes: Optional[int] = None) -> None:
-        """Change the partition and credit sizes from now on (tensors already queued keep their pieces).
-
-        Only the deciding rank's sizes matter when an order channel is used; followers replay
-        its pieces.
-        """
+        """New partition and credit sizes from now on (queued tensors keep their pieces); only
+        rank 0's matter when an order channel is used (the others replay its pieces)."""
         with self._cond:
             self.config = self.config.with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
-            if self._policy is not None:
-                self._policy.reconfigure(self.config.partition_bytes, self.config.credit_bytes)
+            self._decider.reconfigure(self.config.partition_bytes, self.config.credit_bytes)
             logger.debug("scheduler epoch %d: partition %d bytes, credit %d bytes", self._epoch,
                          self.config.partition_bytes, self.config.credit_bytes)
             self._cond.notify_all()
@@ -276,20 +238,17 @@ class Scheduler:
         }
 
     def stop(self, wait: bool = True) -> None:
-        """Stop the scheduler and join its threads.
+        """Stop the scheduler and join its threads (collective with a channel: every rank calls it).
 
-        With ``wait=True`` every submitted task is communicated first and, when an order
-        channel is used, the ranks shake hands so the channel can be reused; every rank
-        must then call ``stop``. ``wait=False`` abandons queued work at once (e.g. after
-        an exception in the training loop). Raises the scheduler's error if an operation
-        failed and the error was not raised before.
+        ``wait=True`` communicates every submitted task first (the ranks shake hands, so the
+        channel can be reused); ``wait=False`` abandons queued work at once (e.g. after an
+        exception in the training loop). Raises an operation's error not raised before.
         """
         with self._cond:
             if self._state not in (State.RUNNING, State.FAILED):
                 return
             self._state = State.DRAINING if wait and self._state is State.RUNNING else State.ABANDONED
-            if self._policy is not None:
-                self._policy.drain()
+            self._decider.drain()
             if self._state is State.ABANDONED:
                 self._cancel.set()
             self._cond.notify_all()
@@ -301,9 +260,7 @@ class Scheduler:
         if stuck:
             self._fail(CommunicationTimeout(f"rank {self.rank}: scheduler threads {stuck} did not stop in time"))
         with self._cond:
-            abandoned = list(self._pending.values())
-            self._pending.clear()
-            self._in_flight.clear()  # late completions of abandoned work are ignored
+            abandoned = self._ledger.clear()
             self._state = State.STOPPED
         closed = SchedulerClosed(f"rank {self.rank}: the scheduler was stopped before this task was communicated")
         for task in abandoned:
@@ -333,13 +290,11 @@ class Scheduler:
     def _run_dispatch(self) -> None:
         """The dispatcher thread: take what may go now, publish it (rank 0), launch it.
 
-        Every operation is launched here, also when the thread that made it ready could
-        have: by the time the dispatcher runs, more gradients are usually ready and are
-        merged into fewer operations (launching from the submitting thread measured 8-10%
-        slower on loopback, see docs/benchmarks.md).
+        Only this thread launches: by the time it runs, more gradients are usually ready
+        and merge into fewer operations (docs/design.md, "All launches on the dispatcher").
         """
-        policy = self._policy
-        publish = self._channel.publish if policy is not None and self._channel is not None else None
+        decider = self._decider
+        publish = self._channel.publish if self._leader and self._channel is not None else None
         try:
             while True:
                 with self._cond:
@@ -347,18 +302,14 @@ class Scheduler:
                         if self._cancel.is_set():
                             return
                         now = time.perf_counter()
-                        if policy is not None:
-                            ops = policy.decide(now)
-                        else:
-                            ops = self._follower.take(self._pending, self._generations)
+                        ops = decider.decide(now)
                         if ops or self._drained():
                             break
                         self._check_deadlines(now)
-                        held = policy.hold_remaining(now) if policy is not None else 0.0
+                        held = decider.hold_remaining(now)
                         self._sleep(min(held, _WATCH_INTERVAL) if held > 0 else _WATCH_INTERVAL)
-                    for op in ops:  # in flight from now on (deadline check)
-                        op.launch_time = now
-                        self._in_flight[op.op_id] = op
+                    for op in ops:
+                        self._ledger.launched(op, now)
                 if not ops:
                     if publish is not None:
                         publish(encode_stop(self._epoch))
@@ -376,37 +327,9 @@ class Scheduler:
 
     def _drained(self) -> bool:
         """True once nothing is left to do before the dispatcher ends (lock held)."""
-        if self._policy is not None:
-            return self._state is State.DRAINING and not self._pending and not self._in_flight
-        return self._follower.drained(self._pending, len(self._in_flight))
-
-    def _run_receiver(self) -> None:
-        """A follower's receiver thread: read rank 0's decisions while tensors wait for one."""
-        follower = self._follower
-        try:
-            while True:
-                with self._cond:
-                    while follower.undecided_elements <= 0 and self._state is State.RUNNING:
-                        if self._cancel.is_set():
-                            return
-                        self._sleep(_WATCH_INTERVAL)
-                    if self._cancel.is_set():
-                        return
-                message = self._channel.receive(self._cancel)
-                if message is None:
-                    return
-                decisions = decode(message, self._epoch)
-                now = time.perf_counter()
-                with self._cond:
-                    if decisions is None:
-                        follower.stop_received = True
-                    else:
-                        follower.receive(decisions, now)
-                    self._cond.notify_all()
-                if decisions is None:
-                    return
-        except BaseException as error:  # noqa: BLE001
-            self._fail(error)
+        if self._leader:
+            return self._state is State.DRAINING and not self._ledger.pending and not self._ledger.in_flight
+        return self._decider.drained()
 
     # ------------------------------------------------------------------ completion
 
@@ -416,16 +339,11 @@ class Scheduler:
             self._fail(error)
             return
         now = time.perf_counter()
-        finished: List[Task] = []
         with self._cond:
-            if self._in_flight.pop(op.op_id, None) is None:
+            finished = self._ledger.complete(op)
+            if finished is None:
                 return  # already failed and cleared
             self._decider.finished(op)
-            for piece in op.pieces:
-                task = piece.task
-                task.remaining -= piece.stop - piece.start
-                if task.remaining == 0 and self._pending.pop((task.key, task.generation), None):
-                    finished.append(task)
             if self._sleepers and self._completion_wakes(now):
                 self._cond.notify_all()
         if self._timeline is not None and self._timeline.recording:
@@ -435,30 +353,24 @@ class Scheduler:
 
     def _resolve(self, task: Task) -> None:
         callback_error = task.future.set_result(task)
-        # A task and its future refer to each other (the result is the task), a cycle only
-        # the garbage collector frees, at random times. Let go of the payload (a gradient, an
-        # adapter's job) once the callbacks have run, so its memory is reused at once.
+        # The task and its future form a cycle only the garbage collector frees: let go of
+        # the payload (a gradient) now, so its memory is reused at once.
         task.payload = None
         if callback_error is not None:
-            error = CallbackError(f"rank {self.rank}: a done-callback of {task} raised "
-                                  f"{type(callback_error).__name__}: {callback_error}")
-            error.__cause__ = callback_error
-            self._fail(error)
+            self._fail(CallbackError(f"rank {self.rank}: a done-callback of {task} raised "
+                                     f"{type(callback_error).__name__}: {callback_error}"), callback_error)
 
     def _completion_wakes(self, now: float) -> bool:
         """Whether a completion changes anything a sleeping thread waits for (lock held).
 
         A wake-up costs a thread switch and a GIL hand-off on the rank's busy core (~3 per
-        operation measured ~0.1 ms of CPU each), so completions wake only when they let
-        rank 0 take queued work, when nothing is pending any more and someone waits in
-        ``flush``, or while a scheduler stops (draining). A follower's dispatcher waits for
-        decisions and its own tensors, never for completions.
+        operation measured ~0.1 ms of CPU each), so completions wake only when the decider
+        says they matter (rank 0: queued work may go), when nothing is pending any more and
+        someone waits in ``flush``, or while the scheduler stops.
         """
-        if (self._flushers and not self._pending) or self._state is not State.RUNNING:
+        if (self._flushers and not self._ledger.pending) or self._state is not State.RUNNING:
             return True
-        if self._policy is None:
-            return self._follower.stop_received
-        return self._policy.can_launch(now)
+        return self._decider.wake_on_completion(now)
 
     # ------------------------------------------------------------------ errors
 
@@ -472,34 +384,18 @@ class Scheduler:
         if now < self._next_deadline_check:
             return
         self._next_deadline_check = now + _WATCH_INTERVAL
-        limit = self.config.timeout
-        for op in self._in_flight.values():
-            if now - op.launch_time > limit:
-                raise CommunicationTimeout(
-                    f"rank {self.rank}: {op} did not finish within {limit} s; a peer may have died or "
-                    "stopped submitting (set BYTESCHEDULER_TIMEOUT to change the limit)"
-                )
-        if self._policy is None:
-            self._follower.check_overdue(now, limit, self._pending)
-            oldest = min((t.ready_time for t in self._pending.values()), default=now)
-            if now - oldest > limit:
-                raise CommunicationTimeout(
-                    f"rank {self.rank}: rank 0 has not scheduled tensors this rank submitted "
-                    f"{now - oldest:.0f} s ago; has rank 0 died or stopped submitting?"
-                )
+        self._ledger.check_in_flight(now, self.config.timeout)
+        if not self._leader:
+            self._decider.check_overdue(now, self.config.timeout)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
         """Record the first error, give up queued work and fail the futures of pending tasks."""
+        if cause is not None:
+            error.__cause__ = cause
         with self._cond:
             if self._latch:
                 return
-            if not isinstance(error, ByteSchedulerError):
-                wrapped = CommunicationError(
-                    f"rank {self.rank}: communication failed ({type(error).__name__}: {error}); a peer "
-                    "process may have died or the network failed"
-                )
-                wrapped.__cause__ = error
-                error = wrapped
+            error = as_library_error(error, self.rank)
             logger.error("scheduler epoch %d failed: %s", self._epoch, error)
             self._latch.set(error)
             if self._state is State.RUNNING:
@@ -507,9 +403,7 @@ class Scheduler:
             elif self._state is State.DRAINING:
                 self._state = State.ABANDONED
             self._cancel.set()
-            failed = list(self._pending.values())
-            self._pending.clear()
-            self._in_flight.clear()  # late completions of these are ignored
+            failed = self._ledger.clear()
             self._decider.clear()
             self._cond.notify_all()
         for task in failed:

@@ -12,14 +12,13 @@ remaining pieces of an earlier one. The result is the average, as with DDP's def
 """
 
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..core import Scheduler, SchedulerConfig, Task
-from ..core.config import Size
-from .comm import TorchCommunicator
+from .session import TorchSession
 
 # DDP ends an iteration only when every bucket is averaged, so no order within the
 # iteration can shorten it; splitting buckets only adds operations (on loopback the
@@ -36,10 +35,6 @@ class ScheduledHookState:
             state is collective over the default group, like ``dist.new_group``: processes
             outside the group create one too, passing what ``dist.new_group`` returned to
             them; theirs is inert.
-        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune, cycle_ms:
-            see :class:`bytescheduler.core.SchedulerConfig`; None means the environment
-            variable (``BYTESCHEDULER_PARTITION``, ...) or the default, which for the hook
-            is 64 MiB pieces and a 256 MiB credit (:data:`HOOK_DEFAULTS`: whole buckets).
         model: optional; when given, a bucket's priority is the smallest position of its
             parameters in ``model.parameters()`` (forward order for most models). Without
             it, the bucket index is used in reverse: DDP numbers buckets in the order their
@@ -51,35 +46,13 @@ class ScheduledHookState:
     def __init__(
         self,
         process_group: Optional[dist.ProcessGroup] = None,
-        partition_bytes: Optional[Size] = None,
-        credit_bytes: Optional[Size] = None,
-        merge: Optional[bool] = None,
-        fast_lane_bytes: Optional[Size] = None,
-        timeout: Optional[float] = None,
-        timeline: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
-        auto_tune: Optional[bool] = None,
-        cycle_ms: Optional[float] = None,
+        config: Optional[SchedulerConfig] = None,
+        **options: Any,
     ) -> None:
-        config = SchedulerConfig.resolve(
-            defaults=HOOK_DEFAULTS,
-            partition_bytes=partition_bytes,
-            credit_bytes=credit_bytes,
-            merge=merge,
-            fast_lane_bytes=fast_lane_bytes,
-            timeout=timeout,
-            timeline=timeline,
-            auto_tune=auto_tune,
-            cycle_ms=cycle_ms,
-        )
-        self.communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
-        self.scheduler: Optional[Scheduler] = None
-        self.world_size = 0
-        if self.communicator is not None:  # None on a process outside process_group
-            self.world_size = self.communicator.world_size
-            self.scheduler = Scheduler(
-                self.communicator, channel=self.communicator, rank=self.communicator.rank, config=config
-            )
+        self._session = TorchSession(process_group, SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options))
+        self.scheduler: Optional[Scheduler] = self._session.scheduler
+        self.world_size = self._session.world_size
         self._positions: Optional[Dict[int, int]] = None
         if model is not None:
             self._positions = {id(p): i for i, p in enumerate(model.parameters())}
@@ -98,11 +71,7 @@ class ScheduledHookState:
         ``wait=True`` first finishes pending communication; ``wait=False`` abandons it
         (after an exception in the training loop).
         """
-        if self.scheduler is not None:
-            try:
-                self.scheduler.stop(wait=wait)
-            finally:
-                self.communicator.release()
+        self._session.close(wait=wait)
 
     def __enter__(self) -> "ScheduledHookState":
         return self

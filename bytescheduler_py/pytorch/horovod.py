@@ -28,12 +28,13 @@ import horovod.torch as hvd
 import torch
 
 from ..core import Scheduler, SchedulerConfig
-from ..core.config import Size
+from ..core.backend import Done
+from ..core.config import parse_bool
 from ..core.errors import CommunicationTimeout
-from ..core.scheduler import Done
+from ..core.ordering import read_frame
 from ..core.task import Operation
-from .comm import read_frame, to_frames
 from .optimizer import wrap_optimizer
+from .order import frame_tensors
 from .overlap import OverlapEngine
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
@@ -169,7 +170,7 @@ class HorovodOrderChannel:
         """Broadcast ``message`` (leader only); returns without waiting for the followers."""
         while self._sent and hvd.poll(self._sent[0][0]):
             hvd.synchronize(self._sent.popleft()[0])  # raises if the broadcast failed
-        for frame in to_frames(message, _ORDER_WORDS):
+        for frame in frame_tensors(message, _ORDER_WORDS):
             if len(self._sent) >= _ORDER_NAMES:  # its name is about to be reused
                 _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
             self._sent.append((hvd.broadcast_async_(frame, root_rank=0, name=self._name()), frame))
@@ -183,7 +184,7 @@ class HorovodOrderChannel:
             # No deadline here: the scheduler fails a follower whose tensors wait too long.
             if not _wait_for(handle, cancel, float("inf"), "receiving rank 0's order"):
                 return None
-            if not read_frame(frame, message):
+            if not read_frame(frame.tolist(), message):
                 return message
 
     def close(self) -> None:
@@ -193,39 +194,43 @@ class HorovodOrderChannel:
 
 
 def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
-    """The user's optimizer class under Horovod's dynamic subclass, and its accumulation count."""
-    if hasattr(optimizer, "_allreduce_delay") and hasattr(optimizer, "_allreduce_grad_async"):
-        if getattr(optimizer, "_groups", None) is not None:
-            raise ValueError("bytescheduler does not support hvd.DistributedOptimizer(groups=...): "
-                             "it schedules each gradient itself; leave groups unset")
-        compression = getattr(optimizer, "_compression", hvd.Compression.none)
-        if compression is not hvd.Compression.none:
-            raise ValueError("bytescheduler does not support Horovod compression; use hvd.Compression.none")
-        if getattr(optimizer, "op", hvd.Average) is not hvd.Average:
-            raise ValueError("bytescheduler averages gradients; hvd.DistributedOptimizer(op=...) must be hvd.Average")
-        if getattr(optimizer, "gradient_predivide_factor", 1.0) != 1.0:
-            raise ValueError("bytescheduler does not support gradient_predivide_factor; leave it at 1.0")
-        process_set = getattr(optimizer, "process_set", hvd.global_process_set)
-        if process_set is not hvd.global_process_set:
-            raise ValueError("bytescheduler supports Horovod's global process set only")
-        for param in optimizer._allreduce_delay:
-            optimizer._allreduce_delay[param] = _NEVER
-        optimizer._requires_update = set()
-        return type(optimizer).__bases__[0], int(optimizer.backward_passes_per_step)
-    return type(optimizer), 1
+    """The user's optimizer class under Horovod's dynamic subclass, and its accumulation count.
+
+    Horovod's ``DistributedOptimizer`` is recognised by its public methods, its own
+    gradient hooks are turned off through its public ``set_backward_passes_per_step``
+    (a countdown that never reaches zero: the hooks, registered on the autograd graph,
+    cannot be removed), and ``op``, ``gradient_predivide_factor`` and ``process_set`` are
+    public attributes. Horovod has no public accessor for two settings we must refuse, so
+    only these two private fields are read: ``_compression`` and ``_groups``.
+    """
+    if not all(hasattr(optimizer, name) for name in ("set_backward_passes_per_step", "skip_synchronize",
+                                                     "synchronize")):
+        return type(optimizer), 1
+    if getattr(optimizer, "_groups", None) is not None:
+        raise ValueError("bytescheduler does not support hvd.DistributedOptimizer(groups=...): "
+                         "it schedules each gradient itself; leave groups unset")
+    if getattr(optimizer, "_compression", hvd.Compression.none) is not hvd.Compression.none:
+        raise ValueError("bytescheduler does not support Horovod compression; use hvd.Compression.none")
+    if getattr(optimizer, "op", None) is not hvd.Average:  # Adasum's optimizer has no ``op``
+        raise ValueError("bytescheduler averages gradients; hvd.DistributedOptimizer(op=...) must be hvd.Average")
+    if getattr(optimizer, "gradient_predivide_factor", 1.0) != 1.0:
+        raise ValueError("bytescheduler does not support gradient_predivide_factor; leave it at 1.0")
+    if getattr(optimizer, "process_set", hvd.global_process_set) is not hvd.global_process_set:
+        raise ValueError("bytescheduler supports Horovod's global process set only")
+    passes = int(optimizer.backward_passes_per_step)
+    optimizer.set_backward_passes_per_step(_NEVER)
+    optimizer.backward_passes_per_step = passes  # what the user set stays readable
+    return type(optimizer).__bases__[0], passes
 
 
 def ScheduledOptimizer(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     num_steps: Optional[int] = None,
-    partition_bytes: Optional[Size] = None,
-    credit_bytes: Optional[Size] = None,
-    timeout: Optional[float] = None,
-    timeline: Optional[str] = None,
     backward_passes_per_step: Optional[int] = None,
     broadcast_parameters: bool = True,
-    auto_tune: Optional[bool] = None,
+    config: Optional[SchedulerConfig] = None,
+    **options: Any,
 ):
     """Wrap ``hvd.DistributedOptimizer(optimizer)`` (or a plain optimizer) for scheduled overlap.
 
@@ -235,23 +240,24 @@ def ScheduledOptimizer(
             ``backward_passes_per_step`` are kept) or a plain torch optimizer.
         num_steps: accepted for the original API and ignored: nothing needs to know when
             training ends (call ``close()``).
-        partition_bytes, credit_bytes, timeout, timeline, auto_tune: see
-            :class:`bytescheduler.core.SchedulerConfig` (rank 0's settings decide). Without
-            arguments or environment, 8 MiB pieces and a 16 MiB credit (:data:`HOROVOD_DEFAULTS`).
         backward_passes_per_step: defaults to the Horovod optimizer's.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
+        config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
+            ``timeout=``, ...; see :class:`bytescheduler.core.SchedulerConfig`); rank 0's
+            decide. Unset ones come from the environment or :data:`HOROVOD_DEFAULTS`
+            (8 MiB pieces, a 16 MiB credit). ``merge`` is off: Horovod fuses by itself.
 
     Returns an instance of the user's optimizer class.
     """
+    if options.get("merge") is not None and parse_bool(options["merge"], "merge"):
+        raise ValueError("merge=True does not apply to Horovod, which fuses tensors itself "
+                         "(HOROVOD_FUSION_THRESHOLD); leave merge unset")
     del num_steps
     if hasattr(optimizer, "_bytescheduler"):
         raise TypeError("this optimizer is already wrapped by bytescheduler")
     init()
+    config = SchedulerConfig.build(config, defaults=HOROVOD_DEFAULTS, **options).with_options(merge=False)
     base, passes = _unwrap(optimizer)
-    config = SchedulerConfig.resolve(
-        defaults=HOROVOD_DEFAULTS, partition_bytes=partition_bytes, credit_bytes=credit_bytes, timeout=timeout,
-        timeline=timeline, merge=False, auto_tune=auto_tune,
-    )
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()

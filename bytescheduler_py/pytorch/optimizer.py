@@ -24,10 +24,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..core import Scheduler, SchedulerConfig
-from ..core.config import Size
-from .comm import TorchCommunicator
+from ..core import SchedulerConfig
 from .overlap import OverlapEngine
+from .session import TorchSession
 
 # A layer's gradients arrive milliseconds apart in backward; on a fast link each would go
 # out alone, and an operation's fixed cost (Python, gloo's threads, the order message)
@@ -107,16 +106,10 @@ def ScheduledOptimizer(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     process_group: Optional[dist.ProcessGroup] = None,
-    partition_bytes: Optional[Size] = None,
-    credit_bytes: Optional[Size] = None,
-    merge: Optional[bool] = None,
-    fast_lane_bytes: Optional[Size] = None,
-    timeout: Optional[float] = None,
-    timeline: Optional[str] = None,
     backward_passes_per_step: int = 1,
     broadcast_parameters: bool = True,
-    auto_tune: Optional[bool] = None,
-    cycle_ms: Optional[float] = None,
+    config: Optional[SchedulerConfig] = None,
+    **options: Any,
 ):
     """Wrap ``optimizer`` so that communication overlaps the next forward (torch.distributed).
 
@@ -125,13 +118,14 @@ def ScheduledOptimizer(
         optimizer: any torch optimizer; its class, hyperparameters and state are kept.
         process_group: the group to average over (default: the whole world). Creating the
             optimizer is collective over the default group, like ``dist.new_group``.
-        partition_bytes, credit_bytes, merge, fast_lane_bytes, timeout, timeline, auto_tune,
-            cycle_ms: see :class:`bytescheduler.core.SchedulerConfig` (None: environment or
-            default; :data:`OPTIMIZER_DEFAULTS` holds work up to 2 ms to merge it).
         backward_passes_per_step: backward passes to accumulate locally before
             communicating (gradient accumulation); a step after fewer passes communicates
             what was accumulated.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
+        config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
+            ``cycle_ms=``, ...; see :class:`bytescheduler.core.SchedulerConfig`, the one place
+            they are defined). Unset ones come from the environment or
+            :data:`OPTIMIZER_DEFAULTS` (which holds work up to 2 ms to merge it).
 
     Returns an instance of ``type(optimizer)``. Call ``close()`` on every rank at the end.
     """
@@ -144,34 +138,27 @@ def ScheduledOptimizer(
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if hasattr(optimizer, "_bytescheduler"):
         raise TypeError("this optimizer is already wrapped by bytescheduler")
-    config = SchedulerConfig.resolve(
-        defaults=OPTIMIZER_DEFAULTS, partition_bytes=partition_bytes, credit_bytes=credit_bytes, merge=merge,
-        fast_lane_bytes=fast_lane_bytes, timeout=timeout, timeline=timeline, auto_tune=auto_tune,
-        cycle_ms=cycle_ms,
-    )
-    communicator = TorchCommunicator.for_group(process_group, timeout=config.timeout)
-    if communicator is None:
-        raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
-    try:
+    config = SchedulerConfig.build(config, defaults=OPTIMIZER_DEFAULTS, **options)
+
+    def prepare(groups) -> None:
         if broadcast_parameters:
-            _broadcast_from_first(model, process_group, communicator.ranks[0])
-        scheduler = Scheduler(communicator, channel=communicator, rank=communicator.rank, config=config)
-    except BaseException:
-        communicator.release()
-        raise
+            _broadcast_from_first(model, process_group, groups.ranks[0])
+
+    session = TorchSession(process_group, config, prepare)
+    if session.scheduler is None:
+        raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
-            model, optimizer, base, scheduler, communicator.world_size, prescale=True,
+            model, optimizer, base, session.scheduler, session.world_size, prescale=True,
             backward_passes_per_step=backward_passes_per_step, timeout=config.timeout,
-            on_close=communicator.release,
+            on_close=session.release,
         )
 
     try:
         return wrap_optimizer(optimizer, type(optimizer), engine)
     except BaseException:
-        scheduler.stop(wait=False)
-        communicator.release()
+        session.close(wait=False)
         raise
 
 

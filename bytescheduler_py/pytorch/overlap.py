@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
-from torch.overrides import TorchFunctionMode
-
 from ..core import Scheduler, Task
-from ..core.errors import ByteSchedulerError, CommunicationTimeout
+from ..core.errors import ByteSchedulerError, CommunicationTimeout, ErrorLatch
 from ..core.log import logger
 from .heap import raise_malloc_thresholds
+from .read_guard import ReadGuard, suspended
 
 IDLE, QUEUED, COMMUNICATED = 0, 1, 2
 
@@ -66,73 +64,6 @@ class _ParamState:
         self.task: Optional[Task] = None
         self.zero_request: Optional[bool] = None  # set_to_none flag of a deferred zero_grad
         self.discard = False
-
-
-class _ReadGuard(TorchFunctionMode):
-    """Waits, on the training thread, for parameters whose update or communication is pending.
-
-    One instance per thread, pushed once and never popped (a mode popped out of order
-    would break someone else's); with no engine busy it costs one attribute read per op.
-    """
-
-    _engines: "weakref.WeakSet[OverlapEngine]" = weakref.WeakSet()
-    _local = threading.local()
-    busy = 0  # parameters not IDLE, over all engines
-
-    @classmethod
-    def install(cls) -> None:
-        if not getattr(cls._local, "installed", False):
-            cls().__enter__()
-            cls._local.installed = True
-
-    @classmethod
-    def suspended(cls) -> "_Suspend":
-        return _Suspend(cls._local)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _ReadGuard.busy and not getattr(_ReadGuard._local, "suspended", 0):
-            self._wait_for(func, args, kwargs)
-        return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def _wait_for(func, args: Sequence[Any], kwargs: Optional[dict]) -> None:
-        owner = getattr(func, "__self__", None)
-        attribute = getattr(owner, "__name__", None) if type(owner).__name__ == "getset_descriptor" else None
-        if attribute is not None and attribute not in _DATA_ATTRIBUTES:
-            return  # metadata (shape, dtype, requires_grad, ...) never waits
-        for value in _tensors(args, kwargs):
-            for engine in list(_ReadGuard._engines):
-                state = engine.states.get(id(value))
-                if state is not None and state.stage != IDLE:
-                    engine.wait_readable(state, gradient_only=attribute == "grad")
-
-
-_DATA_ATTRIBUTES = {"data", "grad", "T", "mT", "H", "mH", "real", "imag"}
-
-
-class _Suspend:
-    def __init__(self, local: threading.local) -> None:
-        self._local = local
-
-    def __enter__(self) -> None:
-        self._local.suspended = getattr(self._local, "suspended", 0) + 1
-
-    def __exit__(self, *exc) -> None:
-        self._local.suspended -= 1
-
-
-def _tensors(args: Sequence[Any], kwargs: Optional[dict]) -> Iterable[torch.Tensor]:
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
-    if kwargs:
-        for value in kwargs.values():
-            if isinstance(value, torch.Tensor):
-                yield value
 
 
 def _sub_optimizer(optimizer: torch.optim.Optimizer, base: type, param: torch.nn.Parameter, group: dict):
@@ -198,8 +129,10 @@ class OverlapEngine:
         self._snapshots: Dict[int, List[dict]] = {}
         self._snapshot_users: Dict[int, int] = {}
         self._ready: List[_ParamState] = []
-        self._error: Optional[BaseException] = None
+        self._latch = ErrorLatch()
         self._closed = False
+        self.busy = 0  # parameters not IDLE (the read guard's fast check), under _cond
+        self.guard_thread: Optional[int] = None
         self._handles: List[Any] = []
         self.states: Dict[int, _ParamState] = {}
 
@@ -215,9 +148,7 @@ class OverlapEngine:
         raise_malloc_thresholds()
         self._updater = threading.Thread(target=self._run_updater, name="bytescheduler-update", daemon=True)
         self._updater.start()
-        _ReadGuard._engines.add(self)
-        if guard_reads:
-            _ReadGuard.install()
+        ReadGuard.attach(self, install=guard_reads)
 
     # ------------------------------------------------------------------ registration
 
@@ -249,9 +180,9 @@ class OverlapEngine:
     # ------------------------------------------------------------------ gradients
 
     def _set_stage(self, state: _ParamState, stage: int) -> None:
-        """Move a parameter to ``stage`` and keep the guard's busy count (lock held)."""
+        """Move a parameter to ``stage`` and keep the busy count (lock held)."""
         if (state.stage == IDLE) != (stage == IDLE):
-            _ReadGuard.busy += 1 if stage != IDLE else -1
+            self.busy += 1 if stage != IDLE else -1
         state.stage = stage
 
     def _check_accumulate(self, state: _ParamState) -> None:
@@ -281,7 +212,7 @@ class OverlapEngine:
 
     def _submit(self, state: _ParamState) -> None:
         param = state.param
-        with _ReadGuard.suspended():
+        with suspended():
             grad = param.grad
             if grad is None:
                 return
@@ -378,7 +309,7 @@ class OverlapEngine:
                     self._set_stage(state, IDLE)
             self._wait_locked(lambda: all(s.stage == IDLE for s in discarded), "discarded gradients")
             zero_now = [s for s in self.states.values() if s.stage == IDLE]
-        with _ReadGuard.suspended():
+        with suspended():
             for state in zero_now:
                 _zero(state.param, set_to_none)
 
@@ -392,6 +323,12 @@ class OverlapEngine:
             )
 
     # ------------------------------------------------------------------ waiting
+
+    def wait_if_pending(self, tensor: torch.Tensor, gradient_only: bool) -> None:
+        """Block while ``tensor`` is one of our parameters with a pending update (the read guard)."""
+        state = self.states.get(id(tensor))
+        if state is not None and state.stage != IDLE:
+            self.wait_readable(state, gradient_only)
 
     def wait_readable(self, state: _ParamState, gradient_only: bool = False) -> None:
         """Block until ``state``'s parameter may be read on the training thread."""
@@ -408,7 +345,7 @@ class OverlapEngine:
 
     def _make_pre_hook(self, own: List[_ParamState]):
         def wait_for_own_parameters(module, inputs):
-            if _ReadGuard.busy:
+            if self.busy:
                 for state in own:
                     if state.stage != IDLE:
                         self.wait_readable(state)
@@ -430,7 +367,7 @@ class OverlapEngine:
                     f"waited {self.timeout} s for {what}; a peer may have died or stopped calling step()"
                 )
             self._cond.wait(min(remaining, _WAIT_SLICE))
-            if self._error is None:
+            if not self._latch:
                 try:
                     self.scheduler.check()
                 except BaseException as error:  # noqa: BLE001
@@ -443,7 +380,7 @@ class OverlapEngine:
         while True:
             with self._cond:
                 while True:
-                    if self._error is not None or self._closed:
+                    if self._latch or self._closed:
                         return
                     due = [s for s in self._ready if s.step_number <= self._steps_called]
                     if due:
@@ -477,14 +414,11 @@ class OverlapEngine:
     # ------------------------------------------------------------------ errors and shutdown
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            error = self._error
-            raise type(error)(str(error)) from error
+        self._latch.raise_if_set()
 
     def _fail_locked(self, error: BaseException) -> None:
-        if self._error is None:
+        if self._latch.set(error):
             logger.error("scheduled optimizer failed: %s", error)
-            self._error = error
         self._cond.notify_all()
 
     def close(self, wait: bool = True) -> None:
@@ -493,7 +427,7 @@ class OverlapEngine:
             if self._closed:
                 return
         try:
-            if wait and self._error is None:
+            if wait and not self._latch:
                 self.synchronize()
         finally:
             with self._cond:
@@ -505,9 +439,9 @@ class OverlapEngine:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            _ReadGuard._engines.discard(self)
+            ReadGuard.detach(self)
             try:
-                self.scheduler.stop(wait=wait and self._error is None)
+                self.scheduler.stop(wait=wait and not self._latch)
             finally:
                 if self._on_close is not None:
                     self._on_close()
