@@ -30,11 +30,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
-        from .demo import main as run
+        from .bench.demo import main as run
     elif command == "bench":
         from .bench.runner import main as run
     elif command == "microbench":
-        from .microbench import main as run
+        from .bench.microbench import main as run
     elif command == "mxnet-launch":
         from .mxnet.launch import main as run
     elif command == "version":

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import bytescheduler.pytorch.horovod as bsc
-from bytescheduler.models import MODELS, build
+from bytescheduler.bench.models import MODELS, build
 
 
 def main() -> None:

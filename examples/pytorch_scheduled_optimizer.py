@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bytescheduler.pytorch as bsp
-from bytescheduler.models import MODELS, build
+from bytescheduler.bench.models import MODELS, build
 
 
 def main() -> None:

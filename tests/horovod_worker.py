@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import bytescheduler.pytorch.horovod as bsc
-from bytescheduler.models import build
+from bytescheduler.bench.models import build
 
 STEPS = 30
 BATCH = 8

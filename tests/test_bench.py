@@ -159,7 +159,7 @@ def test_bench_without_mxnet_says_why(tmp_path):
 
 
 def test_mxnet_models_have_the_torch_models_shapes():
-    from bytescheduler.models import build
+    from bytescheduler.bench.models import build
 
     script = ("import json; from bytescheduler.bench.mxnet_models import MODELS, shapes; "
               "print(json.dumps({name: shapes(name) for name in MODELS}))")

@@ -1,4 +1,4 @@
-"""Gluon versions of the benchmark models of :mod:`bytescheduler.models` (same layers, same shapes).
+"""Gluon versions of the benchmark models of :mod:`bytescheduler.bench.models` (same layers, same shapes).
 
 Imports MXNet, never torch (MXNet lives in its own environment). Each builder returns
 ``(net, make_batch)``; ``make_batch(batch_size, seed)`` gives ``(inputs, labels)`` NDArrays of

@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ..models import MODELS
+from .models import MODELS
 from .report import merge, report
 from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 

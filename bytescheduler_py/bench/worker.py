@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..models import build
+from .models import build
 from . import common
 from .common import LINK_MEGABYTES, Tracer, add_arguments, link_rate, run_blocks, write_result
 

@@ -12,7 +12,7 @@ same object with simulated time.
 >>> from bytescheduler.core.task import Task
 >>> policy = SchedulingPolicy(partition_bytes=16, credit_bytes=32)
 >>> for key, numel, priority in [(0, 40, 2), (1, 4, 0), (2, 4, 1)]:
-...     policy.add(Task(key, numel, itemsize=1, priority=priority, payload=None, fuse_key="f32"), now=0.0)
+...     _ = policy.add(Task(key, numel, itemsize=1, priority=priority, payload=None, fuse_key="f32"), now=0.0)
 >>> [(op.nbytes, [p.task.key for p in op.pieces]) for op in policy.decide(now=0.0)]
 [(8, [1, 2]), (16, [0])]
 >>> policy.decide(now=0.0), policy.queued_bytes  # the credit is full

@@ -85,6 +85,31 @@ def _sub_optimizer(optimizer: torch.optim.Optimizer, base: type, param: torch.nn
     return sub
 
 
+class _Snapshots:
+    """The hyperparameters in force at each called step, kept until its last update used them.
+
+    The user may change the learning rate (an LR scheduler) while earlier steps' updates
+    are still pending; each update must use its own step's values.
+    """
+
+    def __init__(self) -> None:
+        self._groups: Dict[int, List[dict]] = {}
+        self._users: Dict[int, int] = {}
+
+    def record(self, step: int, param_groups: List[dict], users: int) -> None:
+        if users:
+            self._groups[step] = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
+            self._users[step] = users
+
+    def take(self, step: int, group: int) -> dict:
+        """One parameter's update of ``step`` uses the values of its ``group`` (and lets go of them)."""
+        values = self._groups[step][group]
+        self._users[step] -= 1
+        if not self._users[step]:
+            del self._groups[step], self._users[step]
+        return values
+
+
 class OverlapEngine:
     """Schedules each parameter's gradient and applies its update as soon as it is averaged.
 
@@ -126,8 +151,7 @@ class OverlapEngine:
         self._on_close = on_close
         self._cond = threading.Condition(threading.Lock())
         self._steps_called = 0
-        self._snapshots: Dict[int, List[dict]] = {}
-        self._snapshot_users: Dict[int, int] = {}
+        self._snapshots = _Snapshots()
         self._ready: List[_ParamState] = []
         self._latch = ErrorLatch()
         self._closed = False
@@ -187,7 +211,7 @@ class OverlapEngine:
 
     def _check_accumulate(self, state: _ParamState) -> None:
         with self._cond:
-            self._raise_if_failed()
+            self._latch.raise_if_set()
             if state.stage == IDLE:
                 return
             if state.step_number > self._steps_called:
@@ -269,7 +293,7 @@ class OverlapEngine:
 
     def step(self) -> None:
         """Record this step's hyperparameters; updates follow as gradients arrive."""
-        self._raise_if_failed()
+        self._latch.raise_if_set()
         # Gradients not communicated during backward (partial accumulation, parameters that
         # kept a gradient but were unused this iteration) go now, in key order on every rank.
         for state in self.states.values():
@@ -280,11 +304,7 @@ class OverlapEngine:
             self._steps_called += 1
             step = self._steps_called
             users = sum(1 for s in self.states.values() if s.stage != IDLE and s.step_number == step)
-            if users:
-                self._snapshots[step] = [
-                    {k: v for k, v in group.items() if k != "params"} for group in self._optimizer.param_groups
-                ]
-                self._snapshot_users[step] = users
+            self._snapshots.record(step, self._optimizer.param_groups, users)
             self._cond.notify_all()
         # Backward is over: nothing more will come to merge with what is queued.
         self.scheduler.end_burst()
@@ -359,7 +379,7 @@ class OverlapEngine:
             # (cycle_ms) waiting for more gradients to come.
             self.scheduler.end_burst()
         while not done():
-            self._raise_if_failed()
+            self._latch.raise_if_set()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.scheduler.check()
@@ -372,7 +392,7 @@ class OverlapEngine:
                     self.scheduler.check()
                 except BaseException as error:  # noqa: BLE001
                     self._fail_locked(error)
-        self._raise_if_failed()
+        self._latch.raise_if_set()
 
     # ------------------------------------------------------------------ updates
 
@@ -396,25 +416,19 @@ class OverlapEngine:
                 return
 
     def _apply(self, state: _ParamState) -> None:
-        step = state.step_number
-        sub = state.sub
-        sub.param_groups[0].update(self._snapshots[step][state.group])
-        sub.step()
+        with self._cond:
+            values = self._snapshots.take(state.step_number, state.group)
+        state.sub.param_groups[0].update(values)
+        state.sub.step()
         with self._cond:
             if state.zero_request is not None:
                 _zero(state.param, state.zero_request)
                 state.zero_request = None
-            self._snapshot_users[step] -= 1
-            if not self._snapshot_users[step]:
-                del self._snapshots[step], self._snapshot_users[step]
             state.grad = None
             self._set_stage(state, IDLE)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ errors and shutdown
-
-    def _raise_if_failed(self) -> None:
-        self._latch.raise_if_set()
 
     def _fail_locked(self, error: BaseException) -> None:
         if self._latch.set(error):

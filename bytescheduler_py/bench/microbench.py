@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Dict, List
 
-from .core import Scheduler, Task
+from ..core import Scheduler, Task
 
 
 class _NoOpBackend:

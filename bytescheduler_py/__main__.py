@@ -1,0 +1,5 @@
+"""``python -m bytescheduler ...``: the same as the ``bytescheduler`` command."""
+
+from .cli import main
+
+raise SystemExit(main())
