@@ -18,15 +18,21 @@ the next engine on that thread reuses it.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Tuple
+from typing import Any, Iterable, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
-if TYPE_CHECKING:
-    from .overlap import OverlapEngine
-
 _DATA_ATTRIBUTES = {"data", "grad", "T", "mT", "H", "mH", "real", "imag"}
+
+
+class Guarded(Protocol):
+    """What the guard needs of an engine (:class:`~bytescheduler.pytorch.overlap.OverlapEngine`)."""
+
+    busy: int  # parameters with an update or communication pending
+    guard_thread: Optional[int]  # the thread whose guard the engine installed
+
+    def wait_if_pending(self, tensor: torch.Tensor, gradient_only: bool) -> None: ...
 
 
 class _ThreadState(threading.local):
@@ -42,11 +48,11 @@ class ReadGuard(TorchFunctionMode):
 
     # Attached engines: a tuple, replaced (never changed in place) under _lock, so the
     # guard reads it without a lock.
-    engines: Tuple["OverlapEngine", ...] = ()
+    engines: Tuple[Guarded, ...] = ()
     _lock = threading.Lock()
 
     @classmethod
-    def attach(cls, engine: "OverlapEngine", install: bool) -> None:
+    def attach(cls, engine: Guarded, install: bool) -> None:
         """Let ``engine``'s parameters be guarded; ``install``: push the guard on this thread."""
         with cls._lock:
             cls.engines = cls.engines + (engine,)
@@ -58,7 +64,7 @@ class ReadGuard(TorchFunctionMode):
                 _local.guard = guard
 
     @classmethod
-    def detach(cls, engine: "OverlapEngine") -> None:
+    def detach(cls, engine: Guarded) -> None:
         """Stop guarding ``engine``; pop this thread's guard when no engine here needs it."""
         with cls._lock:
             cls.engines = tuple(e for e in cls.engines if e is not engine)
