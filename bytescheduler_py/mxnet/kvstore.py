@@ -82,7 +82,7 @@ import mxnet as mx
 import numpy as np
 
 from ..core.config import SchedulerConfig, Size, parse_size
-from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationTimeout
+from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationTimeout, ErrorLatch, reraise
 from ..core.partition import partition_ranges
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel, local_address
@@ -229,7 +229,7 @@ class _Job:
     """One scheduled ``push``, ``pull`` or ``pushpull`` of one key."""
 
     __slots__ = ("kind", "info", "values", "outs", "priority", "ignore_sparse", "task", "queued",
-                 "unqueued", "error", "lock")
+                 "unqueued", "latch", "lock")
 
     def __init__(self, kind: str, info: _KeyInfo, values: List[Any], outs: List[Any], priority: int,
                  ignore_sparse: bool = True) -> None:
@@ -242,7 +242,7 @@ class _Job:
         self.task = info.task(self, -priority)
         self.queued = threading.Event()  # every piece's call is queued on the kv thread
         self.unqueued = self.task.numel  # sub-keys not queued yet
-        self.error: Optional[BaseException] = None
+        self.latch = ErrorLatch()
         self.lock = threading.Lock()
 
     def mark_queued(self, subkeys: int) -> None:
@@ -252,8 +252,8 @@ class _Job:
                 self.queued.set()
 
     def fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
+        """The job cannot be queued (the first error is kept); whoever waits for it raises."""
+        self.latch.set(error)
         self.queued.set()
 
 
@@ -475,11 +475,13 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             return
         self._wait_queued(job)
         try:
-            job.task.future.result(self._config.timeout)
+            error = job.task.future.exception(self._config.timeout)
         except TimeoutError:
             raise CommunicationTimeout(
                 f"rank {self.rank}: key {info.key!r} not communicated within {self._config.timeout} s; "
                 "a peer may have died") from None
+        if error is not None:
+            reraise(error)
 
     def _wait_queued(self, job: _Job) -> None:
         if not job.queued.wait(self._config.timeout):
@@ -488,9 +490,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                 f"rank {self.rank}: the {job.kind} of key {job.info.key!r} could not start within "
                 f"{self._config.timeout} s (it waits for the key's previous operation, which needs every "
                 "worker); a peer may have died or stopped training")
-        if job.error is not None:
-            error = job.error
-            raise type(error)(str(error)) from error
+        job.latch.raise_if_set()
 
     # ------------------------------------------------------------------ init / broadcast
 
@@ -933,32 +933,31 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                 self._closed = True
                 return
             self._closed = True
-        error = None
+        latch = ErrorLatch()
         try:
             if wait:
-                for info in list(self._keys.values()):
-                    try:
+                try:
+                    for info in list(self._keys.values()):
                         self._wait_key(info)
-                    except BaseException as exc:  # noqa: BLE001
-                        error = error or exc
-                        wait = False
-                        break
+                except BaseException as exc:  # noqa: BLE001
+                    latch.set(exc)
+                    wait = False
             try:
                 self._scheduler.stop(wait=wait)
             except BaseException as exc:  # noqa: BLE001
-                error = error or exc
+                latch.set(exc)
         finally:
             if self._channel is not None:
                 self._channel.close()
             self._ready.put(None)
             self._waits.put(None)
-            joined = self._kv.close(5.0 if error is None else 1.0)
-            self._waiter.join(5.0 if error is None else 1.0)
-            self._ready_thread.join(5.0 if error is None else 1.0)
+            timeout = 1.0 if latch else 5.0
+            joined = self._kv.close(timeout)
+            self._waiter.join(timeout)
+            self._ready_thread.join(timeout)
             if not joined or self._waiter.is_alive() or self._ready_thread.is_alive():
                 log.warning("ScheduledKVStore threads did not stop (a peer may have died)")
-        if error is not None:
-            raise error
+        latch.raise_if_set()
 
     def __enter__(self) -> "ScheduledKVStore":
         return self

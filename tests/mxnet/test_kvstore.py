@@ -163,6 +163,18 @@ def test_bad_inputs_give_clear_errors():
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_error_on_the_kv_thread_reaches_the_caller_with_its_type():
+    # The inner store's pushpull raises OddError(code, detail) on the kv thread; the caller's
+    # pushpull raises an OddError chained to it, not the TypeError of OddError(message).
+    status, text = run_job("kv_odd_error.py")
+    assert status == 0, text
+    raised = dict(re.findall(r"RAISED rank=(\d) (.*)", text))
+    assert sorted(raised) == ["0", "1"], text
+    for line in raised.values():
+        assert line == "OddError: 28: no space left on the server code=28 cause=OddError", text
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_stalled_peer_raises_within_timeout():
     status, text = run_job("kv_stall.py")
     assert status == 7, text
