@@ -163,6 +163,15 @@ def test_bad_inputs_give_clear_errors():
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_options_are_the_scheduler_config():
+    # config= with keywords on top reaches the scheduler, merge stays off; merge=True, unknown
+    # options and options by position are refused.
+    status, text = run_job("kv_options.py")
+    assert status == 0, text
+    assert len(re.findall(r"OPTIONS OK rank=\d", text)) == 2, text
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_error_on_the_kv_thread_reaches_the_caller_with_its_type():
     # The inner store's pushpull raises OddError(code, detail) on the kv thread; the caller's
     # pushpull raises an OddError chained to it, not the TypeError of OddError(message).

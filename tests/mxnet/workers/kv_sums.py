@@ -58,7 +58,7 @@ def main(mode: str, outdir: str) -> None:
     for key, shape in SHAPES.items():
         kv.init(key, mx.nd.zeros(shape))
     if wrapped:
-        assert len(kv._keys[2].subkeys) == 30, kv._keys[2].subkeys
+        assert len(kv._layout.info(2).subkeys) == 30, kv._layout.info(2).subkeys
     results = {}
     grads = {key: mx.nd.zeros(shape) for key, shape in SHAPES.items()}
     extra = {key: mx.nd.zeros(shape) for key, shape in SHAPES.items()}
