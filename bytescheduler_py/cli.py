@@ -36,7 +36,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif command == "microbench":
         from .bench.microbench import main as run
     elif command == "mxnet-launch":
-        from .mxnet.launch import main as run
+        from .launcher import main as run
     elif command == "version":
         from . import __version__
 

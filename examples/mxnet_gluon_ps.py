@@ -26,7 +26,7 @@ import numpy as np
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 
 def build_net() -> nn.Sequential:

@@ -27,7 +27,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from ..mxnet.launch import run_worker
+from ..launcher import run_worker
 from .common import LINK_MEGABYTES, System, Tracer, add_arguments, link_rate, run_blocks, write_result
 from .mxnet_models import build
 

@@ -1,8 +1,13 @@
-"""MXNet support.
+"""MXNet support: :class:`bytescheduler.mxnet.kvstore.ScheduledKVStore` schedules and partitions a
+``dist_*`` KVStore's communication (imports MXNet; loaded only when used).
 
-* :mod:`bytescheduler.mxnet.launch` starts a parameter-server job on one machine (imports no MXNet).
-* :class:`bytescheduler.mxnet.kvstore.ScheduledKVStore` schedules and partitions a ``dist_*``
-  KVStore's communication (imports MXNet; loaded only when used).
+* :mod:`~bytescheduler.mxnet.kvstore`: the facade, MXNet's KVStore API.
+* :mod:`~bytescheduler.mxnet.keys`: user keys as sub-keys of one grain on the servers.
+* :mod:`~bytescheduler.mxnet.backend`: the threads that call the inner store, in rank 0's order.
+* :mod:`~bytescheduler.mxnet.overlap`: the forward pre-hooks of ``kv.overlap(net)``.
+
+The job launcher (``bytescheduler mxnet-launch``, ``run_worker``) imports no MXNet and lives in
+:mod:`bytescheduler.launcher`.
 """
 
 

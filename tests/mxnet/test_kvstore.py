@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bytescheduler.mxnet.launch import launch
+from bytescheduler.launcher import launch
 from tests.mxnet.processes import Streamed, assert_job_stops
 
 WORKERS = Path(__file__).resolve().parent / "workers"

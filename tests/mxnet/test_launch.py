@@ -19,7 +19,7 @@ from typing import List
 
 import pytest
 
-from bytescheduler.mxnet.launch import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, launch
+from bytescheduler.launcher import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, launch
 from tests.mxnet.processes import MARKER, Streamed, assert_job_stops, assert_nothing_left, marked_pids, pid_alive
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -28,13 +28,13 @@ JOB_DEADLINE = 90.0  # seconds; a healthy job takes about 4-7 s on 2 cores
 SUBPROCESS_TIMEOUT = 150.0
 ROUNDS, KEYS = 2, 3  # as in workers/push_pull.py
 
-LAUNCHER = [PY, "-m", "bytescheduler.mxnet.launch"]
+LAUNCHER = [PY, "-m", "bytescheduler.launcher"]
 # Python leaves SIGINT ignored in a child started with SIGINT ignored (as in a background job);
 # the Ctrl-C test needs the usual KeyboardInterrupt, so that launcher restores the handler.
 LAUNCHER_WITH_SIGINT = [
     PY, "-c",
     "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "from bytescheduler.mxnet.launch import main; sys.exit(main(sys.argv[1:]))",
+    "from bytescheduler.launcher import main; sys.exit(main(sys.argv[1:]))",
 ]
 
 

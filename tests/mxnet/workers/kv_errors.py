@@ -2,7 +2,7 @@
 
 import mxnet as mx
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 
 def expect(exc_type, words, fn, *args, **kwargs):

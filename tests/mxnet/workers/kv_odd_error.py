@@ -10,7 +10,7 @@ import sys
 
 import mxnet as mx
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 
 class OddError(Exception):

@@ -8,7 +8,7 @@ merge off. Prints ``OPTIONS OK rank=R``.
 import mxnet as mx
 
 from bytescheduler.core import SchedulerConfig
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 
 def refused(exc_type, words, *args, **kwargs):

@@ -18,7 +18,7 @@ import time
 import mxnet as mx
 import numpy as np
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 SIDE = 400
 # The slow array must take well over the test's 0.1 s to compute on any machine: the chain's

@@ -9,7 +9,7 @@ import time
 
 import mxnet as mx
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 TIMEOUT = 5.0
 

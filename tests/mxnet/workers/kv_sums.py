@@ -22,7 +22,7 @@ import sys
 import mxnet as mx
 import numpy as np
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 SHAPES = {0: (7,), 1: (3, 50), 2: (300, 100)}
 GRAIN, CREDIT = 4096, 16384

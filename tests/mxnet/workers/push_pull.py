@@ -12,7 +12,7 @@ import sys
 
 import mxnet as mx
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 ROUNDS = 2
 SHAPES = {1: (4,), 2: (3, 5), 3: (1_200_000,)}

@@ -8,7 +8,7 @@ import os
 
 import mxnet as mx
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 
 def main() -> None:

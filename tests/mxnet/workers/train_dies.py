@@ -14,7 +14,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 TIMEOUT = 5.0
 DIE_AT = 5

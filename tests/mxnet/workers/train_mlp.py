@@ -21,7 +21,7 @@ import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
 
-from bytescheduler.mxnet.launch import run_worker
+from bytescheduler.launcher import run_worker
 
 STEPS = 20
 BATCH = 16

@@ -1,6 +1,7 @@
 """Start an MXNet parameter-server job (ps-lite, e.g. ``dist_sync``) on this machine.
 
     bytescheduler mxnet-launch -n 2 -s 1 [--deadline SECONDS] -- python train.py args...
+    python -m bytescheduler.launcher -n 2 -s 1 ...     (the same)
 
 One scheduler, ``-s`` servers and ``-n`` workers run as separate processes on 127.0.0.1, each in
 its own session (process group). The scheduler and the servers are ``python -c "import mxnet"``:
