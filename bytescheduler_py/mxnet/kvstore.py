@@ -238,8 +238,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         infos = self._layout.register(pairs, self._optimizer if self._optimizer_sent else None)
         if self._channel is not None:
             self._backend.connect_channel(self._channel, self._layout.order_key)
-        args = self._layout.init_args(infos, [value for _, value in pairs])
-        self._call(lambda: self._inner.init(*args), what)
+        values = [value for _, value in pairs]
+        self._call(lambda: self._inner.init(*self._layout.init_args(infos, values)), what)
         if self._optimizer_sent and any(i.partitioned for i in self._layout.infos()):
             log.warning("a partitioned key was initialised after the optimizer was sent; sending it "
                         "again (the servers' optimizer states are reset)")
