@@ -277,20 +277,23 @@ def scenario_dies() -> None:
 
 
 def scenario_bad() -> None:
+    # (Horovod's options, ours)
     cases = {
-        "compression": dict(compression=hvd.Compression.fp16),
-        "op": dict(op=hvd.Sum),
-        "predivide": dict(gradient_predivide_factor=2.0),
-        "groups": dict(groups=2),
+        "compression": (dict(compression=hvd.Compression.fp16), {}),
+        "op": (dict(op=hvd.Sum), {}),
+        "adasum": (dict(op=hvd.Adasum), {}),
+        "predivide": (dict(gradient_predivide_factor=2.0), {}),
+        "groups": (dict(groups=2), {}),
+        "merge": ({}, dict(merge=True)),
     }
     errors = {}
-    for case, options in cases.items():
+    for case, (options, ours) in cases.items():
         model, _ = fresh_model("tiny")
         optimizer = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(), **options,
         )
         try:
-            bsc.ScheduledOptimizer(model, optimizer, 10)
+            bsc.ScheduledOptimizer(model, optimizer, 10, **ours)
         except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
             errors[case] = {"type": type(error).__name__, "message": str(error)}
         else:

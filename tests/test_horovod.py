@@ -218,8 +218,8 @@ def _bad() -> Dict[int, dict]:
 def test_unsupported_settings_raise_clear_value_errors():
     for rank, result in _bad().items():
         errors = result["errors"]
-        for case, word in (("compression", "compression"), ("op", "op="), ("predivide", "predivide"),
-                           ("groups", "groups")):
+        for case, word in (("compression", "compression"), ("op", "op="), ("adasum", "op="),
+                           ("predivide", "predivide"), ("groups", "groups"), ("merge", "merge")):
             error = errors[case]
             assert error is not None, f"rank {rank}: {case} was accepted"
             assert error["type"] == "ValueError", (rank, case, error)
