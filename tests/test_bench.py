@@ -1,7 +1,6 @@
 """The benchmark's testbed and runner, for real: namespaces, shaping, reports, teardown."""
 
 import json
-import os
 import subprocess
 import sys
 

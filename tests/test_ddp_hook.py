@@ -1,6 +1,5 @@
 """The scheduled DDP hook gives DDP's numbers, over real gloo processes."""
 
-import copy
 import json
 import os
 import time
