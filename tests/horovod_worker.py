@@ -13,7 +13,9 @@ Scenarios:
 - ``idiom``: the same with ``hvd.broadcast_optimizer_state`` and a checkpoint round trip, and
   with a plain torch optimizer (no ``hvd.DistributedOptimizer``) under the scheduler.
 - ``credit``: the same under a small credit, with gradients ready in a different order on
-  each rank (rank 0 decides the order, the others follow).
+  each rank (rank 0 decides the order and sends it by TCP, the others follow).
+- ``fallback``: ``credit`` on cnn-small, where rank 1 cannot reach rank 0 by TCP (the order
+  then travels by Horovod broadcasts on every rank).
 - ``two``: two scheduled optimizers in one process (e.g. a GAN), each equal to its baseline.
 - ``dies``: rank 1 exits at step 3; rank 0 reports what it saw (if it lives to say it).
 - ``bad``: unsupported ``hvd.DistributedOptimizer`` settings raise a clear ValueError, and
@@ -148,6 +150,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
         "checksum": checksum(scheduled_model),
         "tensors": sum(1 for p in scheduled_model.parameters() if p.requires_grad),
         "stats": stats,
+        "channel": type(scheduled._bytescheduler.scheduler._channel).__name__,
         "credit_bytes": scheduled._bytescheduler.scheduler.config.credit_bytes,
         "tuning": None if tuner is None else {
             "done": tuner.done, "settings": [[t.partition_bytes, t.credit_bytes] for t in tuner.history],
@@ -184,6 +187,18 @@ def scenario_credit() -> None:
     """A credit of 4 pieces while the ranks' gradients become ready in different orders."""
     runs = [compare(name, "sgd", 1, credit="64KiB", skew=True) for name in ("cnn-small", "gpt2-small")]
     report(scenario="credit", runs=runs)
+
+
+def scenario_fallback() -> None:
+    """Rank 1 cannot reach rank 0 by TCP: every rank takes rank 0's order by Horovod broadcasts."""
+    from bytescheduler.core.errors import CommunicationError
+    from bytescheduler.core.tcp_channel import TcpOrderChannel
+
+    if hvd.rank() == 1:
+        def cannot_connect(self, address, token=0, timeout=None):
+            raise CommunicationError(f"no route to {address}")
+        TcpOrderChannel.join = cannot_connect
+    report(scenario="fallback", runs=[compare("cnn-small", "sgd", 1, credit="64KiB", skew=True)])
 
 
 def scenario_two() -> None:
@@ -321,6 +336,7 @@ SCENARIOS = {
     "idiom": scenario_idiom,
     "two": scenario_two,
     "credit": scenario_credit,
+    "fallback": scenario_fallback,
     "tune": scenario_tune,
     "dies": scenario_dies,
     "bad": scenario_bad,

@@ -169,3 +169,80 @@ def test_mxnet_models_have_the_torch_models_shapes():
     for name, shapes in found.items():
         model, _ = build(name)
         assert [list(p.shape) for p in model.parameters()] == shapes, name
+
+
+def _ranks(times, links, gradient_bytes, profile=None):
+    return [{"rank": rank, "times": times, "rss_mib": {name: 1.0 for name in times}, "core_busy": {},
+             "peak_rss_mib": 1.0, "links": links, "gradient_bytes": gradient_bytes, "stats": {},
+             "compute_events": [], "profile": profile or {}} for rank in (0, 1)]
+
+
+def test_attainable_gain_uses_each_frameworks_own_link():
+    from bytescheduler.bench.report import markdown, summarize
+
+    # 2 ranks send 1x the gradient bytes: 1 s at gloo's rate, 2 s at Horovod's.
+    times = {"compute": [0.5], "ddp": [3.0], "scheduled": [2.0], "hvd": [3.0], "hvd-scheduled": [2.5],
+             "ddp-hook": [3.2]}
+    links = {"gloo all-reduce": 1e9, "Horovod all-reduce": 0.5e9}
+    summary = summarize(_ranks(times, links, int(1e9)), batch_size=8)
+    systems = summary["systems"]
+    assert systems["scheduled"]["attainable_gain"] == pytest.approx((3.0 - 2.0) / (3.0 - 1.0))
+    assert systems["hvd-scheduled"]["attainable_gain"] == pytest.approx((3.0 - 2.5) / (3.0 - 2.0))
+    assert systems["ddp-hook"]["attainable_gain"] == pytest.approx(-0.1)  # slower than DDP
+    assert "attainable_gain" not in systems["ddp"]
+    table = markdown(summary, "header")
+    assert "| 50% |" in table and "| -10% |" in table
+
+
+def test_attainable_gain_when_the_baseline_is_at_the_floor():
+    from bytescheduler.bench.report import markdown, summarize
+
+    times = {"compute": [1.0], "ddp": [1.005], "scheduled": [1.0]}
+    summary = summarize(_ranks(times, {"gloo all-reduce": 1e9}, int(1e8)), batch_size=8)
+    assert summary["systems"]["scheduled"]["attainable_gain"] is None
+    assert "nothing to win" in markdown(summary, "header")
+
+
+def test_cpu_meter_counts_each_thread_by_role():
+    import threading
+    import time
+
+    from bytescheduler.bench.common import CpuMeter
+
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            pass
+
+    meter = CpuMeter(None)
+    meter.start()
+    until = time.monotonic() + 0.3
+    worker = threading.Thread(target=spin, name="bytescheduler-spin")
+    other = threading.Thread(target=spin, name="someone-else")
+    worker.start()
+    other.start()
+    while time.monotonic() < until:
+        pass
+    meter.stop("system", iterations=2)  # before the threads end: ended threads are not counted
+    done.set()
+    worker.join()
+    other.join()
+    ms = meter.per_iteration_ms()["system"]
+    assert ms["training thread"] > 5 and ms["bytescheduler threads"] > 5 and ms["other Python threads"] > 5, ms
+    # Three threads spinning for 0.3 s can have run at most 0.9 s (plus a little slack), over 2 iterations.
+    assert sum(ms.values()) < 500, ms
+
+
+def test_report_shows_where_the_cpu_goes():
+    from bytescheduler.bench.report import markdown, summarize
+
+    profile = {"scheduled": {"cpu_ms_per_iteration": {"training thread": 400.0, "bytescheduler threads": 12.0,
+                                                      "native threads": 30.0, "other Python threads": 0.0,
+                                                      "rest of the core": 5.0},
+                             "operations_per_iteration": 40.0, "pieces_per_iteration": 90.0}}
+    summary = summarize(_ranks({"ddp": [1.0], "scheduled": [0.9]}, {"gloo all-reduce": 1e9}, int(1e8), profile),
+                        batch_size=8)
+    table = markdown(summary, "header")
+    assert "| ScheduledOptimizer | 900 | 400/400 | 12/12 | 30/30 | 0/0 | 5/5 | 40 / 90 |" in table, table
+    assert "| DDP default |" in table.split("CPU per iteration")[0]  # DDP has no profile: no CPU row

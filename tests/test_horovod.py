@@ -191,6 +191,14 @@ def test_credit_with_ranks_ready_in_different_orders_equals_horovod():
     for run in found[0]["runs"]:
         assert run["credit_bytes"] == 64 * 1024
         assert run["stats"]["peak_in_flight_bytes"] <= 64 * 1024, run["stats"]
+    assert {run["channel"] for rank in (0, 1) for run in found[rank]["runs"]} == {"TcpOrderChannel"}
+
+
+def test_order_falls_back_to_horovod_broadcasts_on_every_rank():
+    """A rank that cannot reach rank 0 by TCP: all ranks agree on Horovod broadcasts, same numbers."""
+    found = run_ok("fallback")
+    _check_equal_runs(found, [("cnn-small", "sgd", 1)])
+    assert [found[rank]["runs"][0]["channel"] for rank in (0, 1)] == ["HorovodOrderChannel"] * 2
 
 
 def test_two_scheduled_optimizers_in_one_process():
@@ -265,7 +273,8 @@ def test_peer_death_rank0_raises_without_horovodrun_kill_all():
 def _check_rank0_error(result: dict) -> None:
     assert result["raised"], result
     assert (result["module"], result["type"]) == ("bytescheduler.core.errors", "CommunicationError"), result
-    assert "HorovodInternalError" in result["message"], result
+    # Whichever notices first: Horovod's failed all-reduce, or the ordering connection rank 1 left.
+    assert "HorovodInternalError" in result["message"] or "left the ordering channel" in result["message"], result
     # Raised in step 3 (its gradients never complete), or in step 4's forward, which waits for them.
     assert result["step"] in (3, 4), result
     # Horovod reports the dead peer at once; bytescheduler does not wait for its own timeout.

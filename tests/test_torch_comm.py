@@ -91,6 +91,7 @@ def test_script_ending_right_after_a_completion_exits_cleanly():
 
 
 def _schedule_sums(rank, world_size, unreachable_rank):
+    import bytescheduler.core.tcp_channel as tcp_channel
     import bytescheduler.pytorch.order as order
     from bytescheduler.core import Scheduler, Task
     from bytescheduler.core.errors import CommunicationError
@@ -103,7 +104,7 @@ def _schedule_sums(rank, world_size, unreachable_rank):
     if unreachable_rank == "unresolvable" and rank == 0:
         def unresolvable(peer_host=None):
             raise socket.gaierror(-2, "Name or service not known")
-        order.local_address = unresolvable  # rank 0 offers 127.0.0.1 instead: fine on one machine
+        tcp_channel.local_address = unresolvable  # rank 0 offers 127.0.0.1 instead: fine on one machine
     groups = ProcessGroups.claim(None, timeout=30.0)
     scheduler = Scheduler(AllReduceBackend(groups), channel=groups.order, rank=groups.rank, partition_bytes=256,
                           credit_bytes=512)

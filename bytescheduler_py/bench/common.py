@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import resource
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -45,6 +46,80 @@ def cpu_busy_seconds(cpu: int) -> float:
                 user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in line.split()[1:8])
                 return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
     raise OSError(f"no line for CPU {cpu} in /proc/stat")
+
+
+# Whose CPU time a thread's is, in the CPU breakdown (see :func:`thread_roles`).
+ROLES = ("training thread", "bytescheduler threads", "other Python threads", "native threads")
+
+
+def thread_cpu_seconds() -> Dict[int, float]:
+    """Seconds each live thread of this process has run on a CPU, by native thread id.
+
+    From ``/proc/self/task/*/schedstat`` (nanoseconds); threads that end while being read
+    are left out.
+    """
+    seconds: Dict[int, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as handle:
+                seconds[int(tid)] = int(handle.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+    return seconds
+
+
+def thread_roles() -> Dict[int, str]:
+    """The role (one of :data:`ROLES`) of every thread Python knows, by native id.
+
+    Threads Python did not start (gloo's, Horovod's background thread, MXNet's engine and
+    ps-lite's) are not listed: they count as native threads.
+    """
+    main = threading.main_thread()
+    roles = {}
+    for thread in threading.enumerate():
+        if thread.native_id is None:
+            continue
+        roles[thread.native_id] = (ROLES[0] if thread is main else ROLES[1] if thread.name.startswith("bytescheduler")
+                                   else ROLES[2])
+    return roles
+
+
+class CpuMeter:
+    """CPU seconds per thread role over timed blocks, and the core's busy time outside this process."""
+
+    def __init__(self, cpu: Optional[int]) -> None:
+        self.cpu = cpu
+        self.totals: Dict[str, Dict[str, float]] = {}  # system -> role -> seconds
+        self.iterations: Dict[str, int] = {}
+        self._start: Dict[int, float] = {}
+        self._core_start = 0.0
+
+    def start(self) -> None:
+        self._start = thread_cpu_seconds()
+        self._core_start = cpu_busy_seconds(self.cpu) if self.cpu is not None else 0.0
+
+    def stop(self, system: str, iterations: int) -> None:
+        end = thread_cpu_seconds()
+        core = cpu_busy_seconds(self.cpu) - self._core_start if self.cpu is not None else None
+        roles = thread_roles()
+        totals = self.totals.setdefault(system, dict.fromkeys(ROLES + ("rest of the core",), 0.0))
+        process = 0.0
+        for tid, seconds in end.items():
+            spent = seconds - self._start.get(tid, 0.0)
+            totals[roles.get(tid, ROLES[3])] += spent
+            process += spent
+        if core is not None:  # the kernel's network work, other processes (MXNet's server) on the core
+            totals["rest of the core"] += max(0.0, core - process)
+        self.iterations[system] = self.iterations.get(system, 0) + iterations
+
+    def per_iteration_ms(self) -> Dict[str, Dict[str, float]]:
+        return {system: {role: round(1000 * seconds / self.iterations[system], 3) for role, seconds in roles.items()}
+                for system, roles in self.totals.items()}
+
+
+def _counts(system: "System") -> Tuple[int, int]:
+    stats = system.stats() or {}
+    return stats.get("operations", 0), stats.get("pieces", 0)
 
 
 class Tracer:
@@ -125,14 +200,15 @@ def link_rate(allreduce: Callable[[], None], barrier: Callable[[], None], world:
 
 
 def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Callable[[], None], tracer: Tracer,
-               rank: int) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, List[float]]]:
+               rank: int) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, List[float]], Dict[str, dict]]:
     """Warm every system up, then ``args.rounds`` rounds of one timed block per system, in turns.
 
     A barrier starts each block; the system's flush (waiting for its pending communication)
     ends it inside the timed block. The last round is traced unless ``args.no_trace``.
-    Returns seconds per iteration per block, peak RSS (MiB) per system, and, when this
-    process is pinned to one CPU, the fraction of each block that CPU was busy (1.0: the
-    rank's core was the limit; empty lists when not pinned).
+    Returns seconds per iteration per block, peak RSS (MiB) per system, when this process
+    is pinned to one CPU the fraction of each block that CPU was busy (1.0: the rank's core
+    was the limit; empty lists when not pinned), and a profile per system: CPU milliseconds
+    per iteration by thread role, operations and pieces per iteration.
     """
     for system in systems.values():
         # Tuning happens in warm-up, the same number of steps on every rank.
@@ -143,36 +219,50 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     rss: Dict[str, float] = {name: 0.0 for name in systems}
     busy: Dict[str, List[float]] = {name: [] for name in systems}
     cpu = pinned_cpu()
+    meter = CpuMeter(cpu)
+    counted = {name: [0, 0] for name in systems}  # operations, pieces in timed blocks
     progress(rank, 0, args.rounds)
     for round_index in range(args.rounds):
         for name, system in systems.items():
             tracer.active = round_index == args.rounds - 1 and not args.no_trace
             system.trace(tracer.active)
             barrier()
+            ops, pieces = _counts(system)
             busy_start = cpu_busy_seconds(cpu) if cpu is not None else 0.0
+            meter.start()
             start = time.perf_counter()
             for _ in range(args.iters):
                 system.iterate()
             system.flush()
             elapsed = time.perf_counter() - start
+            meter.stop(name, args.iters)
+            ops_end, pieces_end = _counts(system)
+            counted[name][0] += ops_end - ops
+            counted[name][1] += pieces_end - pieces
             times[name].append(elapsed / args.iters)
             if cpu is not None:
                 busy[name].append(min(1.0, (cpu_busy_seconds(cpu) - busy_start) / elapsed))
             tracer.active = False
             rss[name] = max(rss[name], rss_mib())
         progress(rank, round_index + 1, args.rounds)
-    return times, rss, busy
+    cpu_ms = meter.per_iteration_ms()
+    profile = {name: {"cpu_ms_per_iteration": cpu_ms.get(name, {}),
+                      "operations_per_iteration": counted[name][0] / max(1, meter.iterations.get(name, 0)),
+                      "pieces_per_iteration": counted[name][1] / max(1, meter.iterations.get(name, 0))}
+               for name in systems}
+    return times, rss, busy, profile
 
 
 def write_result(args: argparse.Namespace, rank: int, systems: Dict[str, System], times: Dict[str, List[float]],
                  rss: Dict[str, float], busy: Dict[str, List[float]], link: float, gradient_bytes: int,
-                 tracer: Tracer) -> None:
+                 tracer: Tracer, profile: Optional[Dict[str, dict]] = None) -> None:
     """The per-rank JSON every job writes (``link`` is 0.0 when not measured)."""
     result = {
         "rank": rank,
         "times": times,
         "rss_mib": rss,
         "core_busy": busy,
+        "profile": profile or {},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "link_bytes_per_s": link,
         "gradient_bytes": gradient_bytes,

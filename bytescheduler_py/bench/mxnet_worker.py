@@ -172,10 +172,10 @@ def main(argv=None) -> int:
         link = link_rate(pushpull, kv._barrier, kv.num_workers)
     gradient_bytes = sum(p.data().size * np.dtype(p.dtype).itemsize for p in system.params)
     systems = {} if args.link_only else {name: system}
-    times, rss, busy = run_blocks(systems, args, kv._barrier, tracer, rank) if systems else ({}, {}, {})
+    times, rss, busy, profile = run_blocks(systems, args, kv._barrier, tracer, rank) if systems else ({}, {}, {}, {})
     if systems and not args.no_trace:
         tracer.collect(name)
-    write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer)
+    write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer, profile)
     system.close()
     return 0
 

@@ -6,8 +6,11 @@ Floors: *compute* is the compute-only system's time; *sending* is the gradient b
 ring all-reduce sends per rank, 2(n-1)/n x bytes, over the link rate measured with a
 large all-reduce (the first job's: gloo when the torch job ran). A parameter server with
 one server beside each of n workers sends as much per rank. No schedule can beat
-max(compute, sending); the last column says how close each system came. Each scheduled
-system's speedup is over its own framework's baseline (see ``BASELINES``).
+max(compute, sending); *of floor* says how close each system came. Each scheduled
+system's speedup is over its own framework's baseline (see ``BASELINES``), and its
+*attainable gain* is the share it won of what any schedule could win over that baseline,
+(baseline - scheduled) / (baseline - floor), with the sending floor at the rate its own
+framework measured (gloo, Horovod or ps-lite); negative when it is slower than the baseline.
 *Core busy* is the median fraction of a block each rank's pinned CPU was not idle,
 kernel network work included: near 100% the CPU, not the link, set the pace.
 """
@@ -21,6 +24,10 @@ import statistics
 from typing import Dict, List, Optional, Tuple
 
 BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
+# Which link measurement (see runner.LINKS) is each system's own framework's sending rate.
+LINK_OF = {"ddp": "gloo all-reduce", "ddp-hook": "gloo all-reduce", "scheduled": "gloo all-reduce",
+           "hvd": "Horovod all-reduce", "hvd-scheduled": "Horovod all-reduce",
+           "mxnet": "ps-lite push+pull", "mxnet-scheduled": "ps-lite push+pull"}
 LABELS = {
     "compute": "compute only (no communication)",
     "comm": "communication only (all-reduce, no compute)",
@@ -46,12 +53,13 @@ def merge(jobs: List[Tuple[str, List[dict]]]) -> List[dict]:
         for result in results:
             rank = merged.setdefault(result["rank"], {
                 "rank": result["rank"], "times": {}, "rss_mib": {}, "core_busy": {}, "peak_rss_mib": 0.0, "links": {},
-                "gradient_bytes": result["gradient_bytes"], "stats": {}, "compute_events": []})
+                "gradient_bytes": result["gradient_bytes"], "stats": {}, "compute_events": [], "profile": {}})
             for name, times in result["times"].items():
                 rank["times"].setdefault(name, []).extend(times)
                 rank["rss_mib"][name] = max(rank["rss_mib"].get(name, 0.0), result["rss_mib"][name])
                 rank["core_busy"].setdefault(name, []).extend(result.get("core_busy", {}).get(name, []))
             rank["stats"].update(result["stats"])
+            rank["profile"].update(result.get("profile", {}))
             rank["compute_events"] += result["compute_events"]
             rank["peak_rss_mib"] = max(rank["peak_rss_mib"], result["peak_rss_mib"])
             if result["link_bytes_per_s"] and kind not in rank["links"]:
@@ -81,6 +89,7 @@ def summarize(results: List[dict], batch_size: int) -> dict:
             "core_busy_per_rank": [round(statistics.median(r["core_busy"][name]), 3) if r["core_busy"].get(name)
                                    else None for r in results],
             "scheduler": results[0]["stats"].get(name) or None,
+            "profile_per_rank": [r.get("profile", {}).get(name) for r in results],
         }
     links = {kind: min(r["links"][kind] for r in results) for kind in results[0]["links"]}
     link = next(iter(links.values()))
@@ -91,8 +100,14 @@ def summarize(results: List[dict], batch_size: int) -> dict:
     for name, entry in summary.items():
         baseline = BASELINES.get(name)
         if baseline in summary:
-            entry["speedup"] = summary[baseline]["median_s"] / entry["median_s"]
+            before = summary[baseline]["median_s"]
+            entry["speedup"] = before / entry["median_s"]
             entry["baseline"] = baseline
+            rate = links.get(LINK_OF.get(name, ""), link)
+            own_floor = max(compute or 0.0, 2 * (world - 1) / world * gradient_bytes / rate)
+            # Nothing to win when the baseline already runs at the floor.
+            entry["attainable_gain"] = (before - entry["median_s"]) / (before - own_floor) \
+                if before - own_floor > 0.02 * before else None
         entry["fraction_of_floor"] = floor / entry["median_s"]
     return {
         "systems": summary,
@@ -110,15 +125,18 @@ def markdown(summary: dict, header: str) -> str:
     lines = [
         header,
         "",
-        "| system | median s/iter | min-max | samples/s | speedup | of floor | RSS MiB/rank | core busy/rank |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | median s/iter | min-max | samples/s | speedup | attainable gain | of floor | RSS MiB/rank | "
+        "core busy/rank |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in summary["systems"].values():
         speedup = f"{entry['speedup']:.2f}x vs {LABELS[entry['baseline']]}" if "speedup" in entry else ""
         busy = entry.get("core_busy_per_rank") or []
+        gain = entry.get("attainable_gain")
+        gain = "" if "speedup" not in entry else "nothing to win" if gain is None else f"{100 * gain:.0f}%"
         lines.append(
             f"| {entry['label']} | {entry['median_s']:.3f} | {entry['min_s']:.3f}-{entry['max_s']:.3f} | "
-            f"{entry['samples_per_s']:.1f} | {speedup} | {100 * entry['fraction_of_floor']:.0f}% | "
+            f"{entry['samples_per_s']:.1f} | {speedup} | {gain} | {100 * entry['fraction_of_floor']:.0f}% | "
             f"{'/'.join(f'{v:.0f}' for v in entry['rss_mib_per_rank'])} | "
             f"{'/'.join('-' if v is None else f'{100 * v:.0f}%' for v in busy)} |"
         )
@@ -135,6 +153,7 @@ def markdown(summary: dict, header: str) -> str:
     if any(v is not None for entry in summary["systems"].values() for v in entry.get("core_busy_per_rank") or []):
         lines += ["", "Core busy: the median share of a block each rank's CPU was not idle (its processes "
                   "and the kernel's network work on it); near 100% the CPU, not the link, set the pace."]
+    lines += cpu_table(summary)
     settings = [f"{entry['label']} {stats['partition_bytes'] / 2**20:g}/"
                 + (f"{stats['credit_bytes'] / 2**20:g} MiB" if stats["credit_bytes"] < 2**50 else "no credit")
                 for entry in summary["systems"].values()
@@ -150,6 +169,32 @@ def markdown(summary: dict, header: str) -> str:
     for why, names in reasons.items():
         lines += ["", f"Left out {', '.join(names)}: {why}"]
     return "\n".join(lines)
+
+
+def cpu_table(summary: dict) -> List[str]:
+    """Markdown lines: where each rank's CPU time went per iteration (empty without profiles)."""
+    rows = []
+    for entry in summary["systems"].values():
+        profiles = entry.get("profile_per_rank") or []
+        if not profiles or any(not p or not p.get("cpu_ms_per_iteration") for p in profiles):
+            continue
+
+        def cell(role: str) -> str:
+            return "/".join(f"{p['cpu_ms_per_iteration'].get(role, 0.0):.0f}" for p in profiles)
+
+        ops = profiles[0]["operations_per_iteration"]
+        pieces = profiles[0]["pieces_per_iteration"]
+        rows.append(f"| {entry['label']} | {1000 * entry['median_s']:.0f} | {cell('training thread')} | "
+                    f"{cell('bytescheduler threads')} | {cell('native threads')} | {cell('other Python threads')} | "
+                    f"{cell('rest of the core')} | " + (f"{ops:.0f} / {pieces:.0f} |" if ops else "- |"))
+    if not rows:
+        return []
+    return ["", "CPU per iteration (ms, rank 0/rank 1), by thread: the training thread (forward, backward, "
+            "step, hooks), bytescheduler's threads, native threads (gloo's, Horovod's background thread, "
+            "MXNet's engine and ps-lite), other Python threads, and the rest of the rank's core (the kernel's "
+            "network work; MXNet's server and scheduler processes); operations / pieces each iteration on rank 0.",
+            "", "| system | ms/iter | training thread | bytescheduler | native threads | other Python | rest of core "
+            "| operations / pieces |", "|---|---|---|---|---|---|---|---|"] + rows
 
 
 def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str, command: str,

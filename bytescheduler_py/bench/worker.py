@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     systems = _make_systems(args, rank, tracer)
     link = 0.0 if args.no_link else _link_rate(allreduce, barrier, world)
     gradient_bytes = sum(p.numel() * p.element_size() for p in next(iter(systems.values())).model.parameters())
-    times, rss, busy = run_blocks(systems, args, barrier, tracer, rank)
-    write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer)
+    times, rss, busy, profile = run_blocks(systems, args, barrier, tracer, rank)
+    write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer, profile)
     for system in systems.values():
         system.close()
     # Free the models (DDP holds the process group) before ending it, so gloo's threads end

@@ -5,7 +5,8 @@ something. Rank 0 listens on a TCP port; every other rank connects to it once, a
 sends each message (a list of int64, see :mod:`bytescheduler.core.ordering`) to every
 follower as ``[count: int64][count x int64]``, little-endian. How the followers learn rank
 0's address is up to the adapter (``ScheduledKVStore`` passes it through the store itself,
-the torch.distributed backend over a gloo group). A follower opens with its rank and a
+the torch.distributed and Horovod backends through :func:`connect` over their own collectives).
+A follower opens with its rank and a
 token rank 0 chose; rank 0 answers with the token, so a follower given a wrong address
 never mistakes another service for rank 0.
 
@@ -18,14 +19,16 @@ never mistakes another service for rank 0.
 from __future__ import annotations
 
 import os
+import random
 import select
 import socket
 import struct
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .errors import CommunicationError, CommunicationTimeout
+from .log import logger
 from .ordering import STOP, encode_stop
 
 _COUNT = struct.Struct("<q")
@@ -224,3 +227,61 @@ class TcpOrderChannel:
             except OSError:
                 pass
         self._followers, self._leader, self._listener = [], None, None
+
+
+# Seconds the ranks try to set up the TCP order connection before falling back.
+CONNECT_SECONDS = 20.0
+
+
+def connect(rank: int, world_size: int, share: Callable[[Any], Any], gather: Callable[[Any], List[Any]],
+            peer_host: Optional[str], timeout: float,
+            connect_seconds: float = CONNECT_SECONDS) -> Optional[TcpOrderChannel]:
+    """Connect every rank to rank 0 by TCP; collective. None on every rank if any rank failed.
+
+    The framework's own collectives carry the set-up: ``share(obj)`` returns rank 0's
+    ``obj`` on every rank (a broadcast), ``gather(obj)`` every rank's (an all-gather).
+    Rank 0 listens on every interface and shares the address of its route towards
+    ``peer_host`` (a host every rank reached, e.g. the rendezvous) with a random token;
+    the others connect, and all learn together whether everyone did, so every rank uses
+    the same channel (the caller's fallback when this returns None).
+    """
+    channel = TcpOrderChannel(rank, timeout)
+    failures: List[BaseException] = []
+    accepting = None
+    offer = None
+    if rank == 0:
+        token = random.SystemRandom().getrandbits(62)
+        port = channel.serve(world_size, token=token)
+        try:
+            host = local_address(peer_host)
+        except OSError:  # e.g. an unresolvable name: the others then fail to connect, and all fall back
+            host = "127.0.0.1"
+        offer = (host, port, token)
+
+        def accept() -> None:
+            try:
+                channel.accept(timeout=connect_seconds)
+            except (OSError, CommunicationError) as error:
+                failures.append(error)
+
+        accepting = threading.Thread(target=accept, name="bytescheduler-order-accept", daemon=True)
+        accepting.start()
+    host, port, token = share(offer)
+    if rank != 0:
+        try:
+            channel.join((host, port), token, timeout=connect_seconds)
+        except (OSError, CommunicationError) as error:
+            failures.append(error)
+    connected = gather(not failures)
+    if accepting is not None:
+        if not all(connected):
+            channel.close()  # ends the accept at once
+        accepting.join()
+    # Every follower that connected was accepted, so rank 0's accept ends when they all did.
+    if all(connected):
+        return channel
+    if failures:
+        logger.warning("rank %d: ordering connection to rank 0 at %s:%d failed (%s); falling back",
+                       rank, host, port, failures[0])
+    channel.close()
+    return None

@@ -10,14 +10,18 @@ Horovod moves the bytes (``allreduce_async_`` on each piece); bytescheduler deci
 pieces go when (priority, partition, credit) and applies each parameter's update as soon
 as its gradient is averaged. Merging is left to Horovod's tensor fusion.
 
-Rank 0 decides, the other ranks follow: its decisions reach them by small Horovod
-broadcasts (:class:`HorovodOrderChannel`), and every rank hands exactly those pieces to
-Horovod. Each rank choosing for itself would deadlock under a credit: gradients become
+Rank 0 decides, the other ranks follow: its decisions reach them over a TCP connection
+from rank 0 (set up through Horovod's object broadcast and all-gather), or, where a rank
+cannot reach rank 0 that way, by small Horovod broadcasts (:class:`HorovodOrderChannel`);
+every rank hands exactly those pieces to Horovod. A decision as a Horovod broadcast is one
+more operation for Horovod's single background thread to negotiate and run, in the same
+queue as the gradients; over TCP it costs a socket write. Each rank choosing for itself would deadlock under a credit: gradients become
 ready at slightly different moments on each rank, two ranks fill their credits with
 different pieces, and each waits inside Horovod for the other to submit its own.
 """
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -32,6 +36,7 @@ from ..core.backend import Done
 from ..core.config import parse_bool
 from ..core.errors import CommunicationTimeout
 from ..core.ordering import read_frame
+from ..core.tcp_channel import TcpOrderChannel, connect
 from ..core.task import Operation
 from .optimizer import wrap_optimizer
 from .order import frame_tensors
@@ -193,6 +198,22 @@ class HorovodOrderChannel:
             _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
 
 
+def _order_channel(prefix: str, timeout: float) -> Any:
+    """Rank 0's order: TCP if every rank reaches rank 0, else Horovod broadcasts (collective)."""
+    names = itertools.count()
+
+    def share(offer: Any) -> Any:
+        return hvd.broadcast_object(offer, root_rank=0, name=f"{prefix}.share.{next(names)}")
+
+    def gather(flag: Any) -> List[Any]:
+        return hvd.allgather_object(flag, name=f"{prefix}.gather.{next(names)}")
+
+    # horovodrun's gloo rendezvous server runs where every rank reached it.
+    peer = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") or os.environ.get("MASTER_ADDR")
+    channel = connect(hvd.rank(), hvd.size(), share, gather, peer, timeout)
+    return channel if channel is not None else HorovodOrderChannel(prefix, timeout)
+
+
 def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
     """The user's optimizer class under Horovod's dynamic subclass, and its accumulation count.
 
@@ -261,13 +282,13 @@ def ScheduledOptimizer(
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()
-    channel = HorovodOrderChannel(f"{backend.name}.order", config.timeout) if hvd.size() > 1 else None
+    channel = _order_channel(f"{backend.name}.order", config.timeout) if hvd.size() > 1 else None
     scheduler = Scheduler(backend, channel=channel, rank=hvd.rank(), config=config)
 
     def close() -> None:
         try:
-            if channel is not None and not scheduler.abandoned:
-                channel.close()
+            if isinstance(channel, TcpOrderChannel) or (channel is not None and not scheduler.abandoned):
+                channel.close()  # a Horovod channel waits for its broadcasts: not after an abandon
         finally:
             backend.close()
 

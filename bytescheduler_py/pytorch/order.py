@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import threading
 from collections import deque
 from typing import Any, Deque, List, Optional, Sequence, Tuple, Union
@@ -23,16 +22,12 @@ from typing import Any, Deque, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ..core.errors import CommunicationError
-from ..core.log import logger
 from ..core.ordering import read_frame, to_frames
-from ..core.tcp_channel import TcpOrderChannel, local_address
+from ..core.tcp_channel import TcpOrderChannel, connect
 from .keeper import Keeper
 
 # int64 words per control frame: [length, more, payload...]. 8 KiB per broadcast.
 FRAME_WORDS = 1024
-# Seconds the ranks try to set up the TCP order connection before falling back to gloo.
-CONNECT_SECONDS = 20.0
 
 
 def frame_tensors(message: Sequence[int], words: int) -> List[torch.Tensor]:
@@ -120,45 +115,15 @@ def connect_order_channel(rank: int, world_size: int, leader_rank: int, control:
 
     ``rank`` is the position in the group, ``leader_rank`` rank 0's global rank.
     """
-    channel = TcpOrderChannel(rank, timeout)
-    offer: List[Any] = [None]
-    failures: List[BaseException] = []
-    accepting = None
-    if rank == 0:
-        token = random.SystemRandom().getrandbits(62)
-        port = channel.serve(world_size, token=token)
-        try:
-            host = local_address(_rendezvous_host())
-        except OSError:  # e.g. an unresolvable name: the others then fail to connect, and all use gloo
-            host = "127.0.0.1"
-        offer = [(host, port, token)]
+    def share(offer: Any) -> Any:
+        box = [offer]
+        dist.broadcast_object_list(box, src=leader_rank, group=control)
+        return box[0]
 
-        def accept() -> None:
-            try:
-                channel.accept(timeout=CONNECT_SECONDS)
-            except (OSError, CommunicationError) as error:
-                failures.append(error)
+    def gather(flag: Any) -> List[Any]:
+        flags: List[Any] = [None] * world_size
+        dist.all_gather_object(flags, flag, group=control)
+        return flags
 
-        accepting = threading.Thread(target=accept, name="bytescheduler-order-accept", daemon=True)
-        accepting.start()
-    dist.broadcast_object_list(offer, src=leader_rank, group=control)
-    host, port, token = offer[0]
-    if rank != 0:
-        try:
-            channel.join((host, port), token, timeout=CONNECT_SECONDS)
-        except (OSError, CommunicationError) as error:
-            failures.append(error)
-    connected: List[Any] = [None] * world_size
-    dist.all_gather_object(connected, not failures, group=control)
-    if accepting is not None:
-        if not all(connected):
-            channel.close()  # ends the accept at once
-        accepting.join()
-    # Every follower that connected was accepted, so rank 0's accept ends when they all did.
-    if all(connected):
-        return channel
-    if failures:
-        logger.warning("ordering connection to rank 0 at %s:%d failed (%s); decisions go over gloo",
-                       host, port, failures[0])
-    channel.close()
-    return GlooOrderChannel(rank, leader_rank, control, keeper)
+    channel = connect(rank, world_size, share, gather, _rendezvous_host(), timeout)
+    return channel if channel is not None else GlooOrderChannel(rank, leader_rank, control, keeper)
