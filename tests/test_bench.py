@@ -232,6 +232,7 @@ def test_cpu_meter_counts_each_thread_by_role():
     assert ms["training thread"] > 5 and ms["bytescheduler threads"] > 5 and ms["other Python threads"] > 5, ms
     # Three threads spinning for 0.3 s can have run at most 0.9 s (plus a little slack), over 2 iterations.
     assert sum(ms.values()) < 500, ms
+    assert meter.per_iteration_ms(by_thread=True)["system"]["bytescheduler-spin"] == ms["bytescheduler threads"]
 
 
 def test_report_shows_where_the_cpu_goes():
@@ -240,9 +241,12 @@ def test_report_shows_where_the_cpu_goes():
     profile = {"scheduled": {"cpu_ms_per_iteration": {"training thread": 400.0, "bytescheduler threads": 12.0,
                                                       "native threads": 30.0, "other Python threads": 0.0,
                                                       "rest of the core": 5.0},
+                             "bytescheduler_thread_ms_per_iteration": {"bytescheduler-update": 7.5,
+                                                                       "bytescheduler-dispatch": 4.5},
                              "operations_per_iteration": 40.0, "pieces_per_iteration": 90.0}}
     summary = summarize(_ranks({"ddp": [1.0], "scheduled": [0.9]}, {"gloo all-reduce": 1e9}, int(1e8), profile),
                         batch_size=8)
     table = markdown(summary, "header")
     assert "| ScheduledOptimizer | 900 | 400/400 | 12/12 | 30/30 | 0/0 | 5/5 | 40 / 90 |" in table, table
     assert "| DDP default |" in table.split("CPU per iteration")[0]  # DDP has no profile: no CPU row
+    assert "ScheduledOptimizer: bytescheduler-dispatch 4.5, bytescheduler-update 7.5." in table, table

@@ -140,3 +140,22 @@ def test_two_optimizers_in_one_process_keep_their_busy_counts_apart():
     [(during_backward, after)] = run_ranks(_busy_under_concurrent_transitions, 1, deadline=120)
     assert during_backward[0] in (1, 2) and during_backward[1] == 0, during_backward
     assert after == [0, 0]
+
+
+def test_updates_are_batched_by_group_and_step_in_forward_order_and_size():
+    from bytescheduler.pytorch import overlap
+    from bytescheduler.pytorch.overlap import _batches, _ParamState
+
+    def state(key, numel, priority, group=0, step=1):
+        s = _ParamState(torch.nn.Parameter(torch.zeros(numel)), key, f"p{key}", priority, group)
+        s.step_number = step
+        return s
+
+    big = overlap.BATCH_ELEMENTS
+    a, b, c = state(0, 10, 2), state(1, 10, 0), state(2, 10, 1)
+    other_group, next_step = state(3, 10, 3, group=1), state(4, 10, 4, step=2)
+    large, after_large = state(5, big - 5, 5), state(6, 10, 6)
+    batches = _batches([a, other_group, next_step, large, b, after_large, c])
+    keys = [[s.key for s in batch] for batch in batches]
+    # Forward order within a step; a new group starts a batch; a batch stays under BATCH_ELEMENTS.
+    assert keys == [[1, 2, 0], [3], [5], [6], [4]], keys

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import threading
 import time
@@ -68,19 +69,19 @@ def thread_cpu_seconds() -> Dict[int, float]:
     return seconds
 
 
-def thread_roles() -> Dict[int, str]:
-    """The role (one of :data:`ROLES`) of every thread Python knows, by native id.
+def thread_roles() -> Dict[int, Tuple[str, str]]:
+    """The role (one of :data:`ROLES`) and name of every thread Python knows, by native id.
 
     Threads Python did not start (gloo's, Horovod's background thread, MXNet's engine and
-    ps-lite's) are not listed: they count as native threads.
+    ps-lite's) are not listed: they count as native threads. Names lose their rank suffix.
     """
     main = threading.main_thread()
     roles = {}
     for thread in threading.enumerate():
         if thread.native_id is None:
             continue
-        roles[thread.native_id] = (ROLES[0] if thread is main else ROLES[1] if thread.name.startswith("bytescheduler")
-                                   else ROLES[2])
+        role = ROLES[0] if thread is main else ROLES[1] if thread.name.startswith("bytescheduler") else ROLES[2]
+        roles[thread.native_id] = (role, re.sub(r"-r\d+$", "", thread.name) if role == ROLES[1] else role)
     return roles
 
 
@@ -90,6 +91,7 @@ class CpuMeter:
     def __init__(self, cpu: Optional[int]) -> None:
         self.cpu = cpu
         self.totals: Dict[str, Dict[str, float]] = {}  # system -> role -> seconds
+        self.threads: Dict[str, Dict[str, float]] = {}  # system -> bytescheduler thread name -> seconds
         self.iterations: Dict[str, int] = {}
         self._start: Dict[int, float] = {}
         self._core_start = 0.0
@@ -103,18 +105,24 @@ class CpuMeter:
         core = cpu_busy_seconds(self.cpu) - self._core_start if self.cpu is not None else None
         roles = thread_roles()
         totals = self.totals.setdefault(system, dict.fromkeys(ROLES + ("rest of the core",), 0.0))
+        threads = self.threads.setdefault(system, {})
         process = 0.0
         for tid, seconds in end.items():
             spent = seconds - self._start.get(tid, 0.0)
-            totals[roles.get(tid, ROLES[3])] += spent
+            role, name = roles.get(tid, (ROLES[3], ROLES[3]))
+            totals[role] += spent
+            if role == ROLES[1]:
+                threads[name] = threads.get(name, 0.0) + spent
             process += spent
         if core is not None:  # the kernel's network work, other processes (MXNet's server) on the core
             totals["rest of the core"] += max(0.0, core - process)
         self.iterations[system] = self.iterations.get(system, 0) + iterations
 
-    def per_iteration_ms(self) -> Dict[str, Dict[str, float]]:
+    def per_iteration_ms(self, by_thread: bool = False) -> Dict[str, Dict[str, float]]:
+        """Milliseconds per iteration by role, or (``by_thread``) by bytescheduler thread."""
+        table = self.threads if by_thread else self.totals
         return {system: {role: round(1000 * seconds / self.iterations[system], 3) for role, seconds in roles.items()}
-                for system, roles in self.totals.items()}
+                for system, roles in table.items()}
 
 
 def _counts(system: "System") -> Tuple[int, int]:
@@ -245,8 +253,9 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
             tracer.active = False
             rss[name] = max(rss[name], rss_mib())
         progress(rank, round_index + 1, args.rounds)
-    cpu_ms = meter.per_iteration_ms()
+    cpu_ms, thread_ms = meter.per_iteration_ms(), meter.per_iteration_ms(by_thread=True)
     profile = {name: {"cpu_ms_per_iteration": cpu_ms.get(name, {}),
+                      "bytescheduler_thread_ms_per_iteration": thread_ms.get(name, {}),
                       "operations_per_iteration": counted[name][0] / max(1, meter.iterations.get(name, 0)),
                       "pieces_per_iteration": counted[name][1] / max(1, meter.iterations.get(name, 0))}
                for name in systems}

@@ -189,12 +189,18 @@ def cpu_table(summary: dict) -> List[str]:
                     f"{cell('rest of the core')} | " + (f"{ops:.0f} / {pieces:.0f} |" if ops else "- |"))
     if not rows:
         return []
+    details = []
+    for entry in summary["systems"].values():
+        threads = ((entry.get("profile_per_rank") or [None])[0] or {}).get("bytescheduler_thread_ms_per_iteration")
+        if threads:
+            details.append(f"{entry['label']}: " + ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(threads.items())))
+    tail = ["", "bytescheduler's threads on rank 0 (ms per iteration): " + "; ".join(details) + "."] if details else []
     return ["", "CPU per iteration (ms, rank 0/rank 1), by thread: the training thread (forward, backward, "
             "step, hooks), bytescheduler's threads, native threads (gloo's, Horovod's background thread, "
             "MXNet's engine and ps-lite), other Python threads, and the rest of the rank's core (the kernel's "
             "network work; MXNet's server and scheduler processes); operations / pieces each iteration on rank 0.",
             "", "| system | ms/iter | training thread | bytescheduler | native threads | other Python | rest of core "
-            "| operations / pieces |", "|---|---|---|---|---|---|---|---|"] + rows
+            "| operations / pieces |", "|---|---|---|---|---|---|---|---|"] + rows + tail
 
 
 def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str, command: str,

@@ -101,10 +101,10 @@ class _Snapshots:
             self._groups[step] = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
             self._users[step] = users
 
-    def take(self, step: int, group: int) -> dict:
-        """One parameter's update of ``step`` uses the values of its ``group`` (and lets go of them)."""
+    def take(self, step: int, group: int, count: int = 1) -> dict:
+        """``count`` parameters' updates of ``step`` use the values of their ``group`` (and let go of them)."""
         values = self._groups[step][group]
-        self._users[step] -= 1
+        self._users[step] -= count
         if not self._users[step]:
             del self._groups[step], self._users[step]
         return values
@@ -408,24 +408,26 @@ class OverlapEngine:
                         break
                     self._cond.wait(_WAIT_SLICE)
             try:
-                for state in due:
-                    self._apply(state)
+                for batch in _batches(due):
+                    self._apply(batch)
             except BaseException as error:  # noqa: BLE001 - surfaces in the training thread
                 with self._cond:
                     self._fail_locked(error)
                 return
 
-    def _apply(self, state: _ParamState) -> None:
+    def _apply(self, batch: List[_ParamState]) -> None:
+        """One call of the user's update rule over parameters of one group and step."""
+        first = batch[0]
         with self._cond:
-            values = self._snapshots.take(state.step_number, state.group)
-        state.sub.param_groups[0].update(values)
-        state.sub.step()
+            values = self._snapshots.take(first.step_number, first.group, len(batch))
+        _batch_optimizer(batch, values).step()
         with self._cond:
-            if state.zero_request is not None:
-                _zero(state.param, state.zero_request)
-                state.zero_request = None
-            state.grad = None
-            self._set_stage(state, IDLE)
+            for state in batch:
+                if state.zero_request is not None:
+                    _zero(state.param, state.zero_request)
+                    state.zero_request = None
+                state.grad = None
+                self._set_stage(state, IDLE)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ errors and shutdown
@@ -459,6 +461,46 @@ class OverlapEngine:
             finally:
                 if self._on_close is not None:
                     self._on_close()
+
+
+# Parameters updated in one call of the update rule: few calls on small models, while on
+# large ones the first layers' updates (the next forward's first need) do not wait for all.
+BATCH_ELEMENTS = 1 << 20
+
+
+def _batches(due: List[_ParamState]) -> List[List[_ParamState]]:
+    """``due`` in forward order, cut where the group or step changes or a batch grows large.
+
+    The user's update rule treats each parameter on its own (as per-parameter updates
+    already require), so updating several in one call gives the same numbers with one
+    call's Python overhead.
+    """
+    batches: List[List[_ParamState]] = []
+    size = 0
+    for state in sorted(due, key=lambda s: (s.step_number, s.priority)):
+        numel = state.param.numel()
+        last = batches[-1] if batches else None
+        if (last is None or last[0].group != state.group or last[0].step_number != state.step_number
+                or size + numel > BATCH_ELEMENTS):
+            batches.append([state])
+            size = numel
+        else:
+            last.append(state)
+            size += numel
+    return batches
+
+
+def _batch_optimizer(batch: List[_ParamState], values: dict) -> torch.optim.Optimizer:
+    """The per-parameter optimizer of ``batch[0]`` over every parameter of ``batch``, with ``values``."""
+    if len(batch) == 1:
+        sub = batch[0].sub
+        sub.param_groups[0].update(values)
+        return sub
+    first = batch[0].sub
+    sub = type(first).__new__(type(first))  # not copy.copy: Optimizer.__getstate__ keeps three fields only
+    sub.__dict__.update(first.__dict__)  # shares the optimizer's state
+    sub.param_groups = [dict(values, params=[state.param for state in batch])]
+    return sub
 
 
 def _zero(param: torch.nn.Parameter, set_to_none: bool) -> None:
