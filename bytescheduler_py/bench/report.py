@@ -192,6 +192,7 @@ def cpu_table(summary: dict) -> List[str]:
     details = []
     for entry in summary["systems"].values():
         threads = ((entry.get("profile_per_rank") or [None])[0] or {}).get("bytescheduler_thread_ms_per_iteration")
+        threads = {name: ms for name, ms in (threads or {}).items() if ms >= 0.05}  # another system's idle threads
         if threads:
             details.append(f"{entry['label']}: " + ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(threads.items())))
     tail = ["", "bytescheduler's threads on rank 0 (ms per iteration): " + "; ".join(details) + "."] if details else []
