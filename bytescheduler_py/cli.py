@@ -2,6 +2,7 @@
 
     bytescheduler demo         2 local ranks: DDP with and without the scheduled hook
     bytescheduler microbench   scheduling cost per piece with a no-op backend
+    bytescheduler simulate     predicted seconds per iteration on any number of ranks and link rate
     bytescheduler mxnet-launch an MXNet parameter-server job on 127.0.0.1 (-n 2 -s 1 -- python train.py)
     bytescheduler version
 """
@@ -15,6 +16,7 @@ COMMANDS = {
     "demo": "2 local ranks on 127.0.0.1: DDP default vs DDP + scheduled hook",
     "bench": "measure every system on a (bandwidth-limited) 2-rank testbed",
     "microbench": "scheduling cost per piece with a backend that does nothing",
+    "simulate": "predict each system's time per iteration for any ranks and link rate",
     "mxnet-launch": "run an MXNet parameter-server job (scheduler, servers, workers) on 127.0.0.1",
     "version": "print the version",
 }
@@ -35,6 +37,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench.runner import main as run
     elif command == "microbench":
         from .bench.microbench import main as run
+    elif command == "simulate":
+        from .sim.cli import main as run
     elif command == "mxnet-launch":
         from .launcher import main as run
     elif command == "version":
