@@ -25,7 +25,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     package_dir={"bytescheduler": "bytescheduler_py"},
-    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch", "bytescheduler.bench", "bytescheduler.mxnet"],
+    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch", "bytescheduler.bench", "bytescheduler.mxnet",
+              "bytescheduler.sim"],
     package_data={"bytescheduler": ["py.typed"]},
     install_requires=[],
     extras_require={

@@ -22,3 +22,17 @@ def test_python_dash_m_runs_a_command_and_refuses_unknown_ones():
     unknown = _run("frobnicate")
     assert unknown.returncode == 2 and "unknown command 'frobnicate'" in unknown.stderr
     assert _run().returncode == 2  # no command: usage, and a usage error
+
+
+def test_setup_lists_every_package():
+    """A wheel carries only the packages setup.py names: a new subpackage must be listed there."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "setup.py").read_text())
+    listed = next(ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  for k in node.keywords if k.arg == "packages")
+    found = {"bytescheduler" + ".".join([""] + list(p.parent.relative_to(root / "bytescheduler_py").parts))
+             for p in (root / "bytescheduler_py").rglob("__init__.py")}
+    assert set(listed) == found
