@@ -88,7 +88,10 @@ class HorovodBackend:
         self._incoming.put((handle, done))
 
     def _poll(self) -> None:
-        waiting: List[Tuple[int, Done]] = []
+        """Learn completions in launch order: Horovod's one background thread runs the
+        operations every rank submitted in the same order, so each wake-up polls only the
+        oldest one (and those after it once it is done), not every operation in flight."""
+        waiting: Deque[Tuple[int, Done]] = deque()
         pause = 1e-5
         while True:
             try:
@@ -100,11 +103,10 @@ class HorovodBackend:
                     item = self._incoming.get_nowait()
             except queue.Empty:
                 pass
-            still = []
-            for handle, done in waiting:
-                if not hvd.poll(handle):
-                    still.append((handle, done))
-                    continue
+            finished = 0
+            while waiting and hvd.poll(waiting[0][0]):
+                handle, done = waiting.popleft()
+                finished += 1
                 try:
                     hvd.synchronize(handle)
                 except BaseException as error:  # noqa: BLE001
@@ -112,8 +114,7 @@ class HorovodBackend:
                     continue
                 done(None)
             # Poll fast while operations finish, back off to 1 ms while they are slow.
-            pause = 1e-5 if len(still) < len(waiting) else min(pause * 2, 1e-3)
-            waiting = still
+            pause = 1e-5 if finished else min(pause * 2, 1e-3)
             if waiting:
                 time.sleep(pause)
 
