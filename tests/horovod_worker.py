@@ -16,6 +16,8 @@ Scenarios:
   each rank (rank 0 decides the order and sends it by TCP, the others follow).
 - ``fallback``: ``credit`` on cnn-small, where rank 1 cannot reach rank 0 by TCP (the order
   then travels by Horovod broadcasts on every rank).
+- ``switch``: ``equal``, ``accumulate`` and ``idiom`` cases with the adaptive mode switch
+  on and short phases, so both the scheduled and Horovod's own path run, switching often.
 - ``two``: two scheduled optimizers in one process (e.g. a GAN), each equal to its baseline.
 - ``dies``: rank 1 exits at step 3; rank 0 reports what it saw (if it lives to say it).
 - ``bad``: unsupported ``hvd.DistributedOptimizer`` settings raise a clear ValueError, and
@@ -78,7 +80,8 @@ def checksum(model: torch.nn.Module) -> float:
 
 
 def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool = False,
-            auto_tune: bool = False, steps: int = STEPS, credit=None, skew: bool = False) -> dict:
+            auto_tune: bool = False, steps: int = STEPS, credit=None, skew: bool = False,
+            adaptive: bool = False) -> dict:
     """Train a scheduled and a baseline copy of one model side by side; return what differs.
 
     With ``idiom``, both also do what Horovod scripts (and ByteScheduler's own example) do:
@@ -102,7 +105,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
         )
     scheduled = bsc.ScheduledOptimizer(
         scheduled_model, inner, steps, partition_bytes=PARTITION, credit_bytes=credit, timeout=60,
-        backward_passes_per_step=passes if plain else None, auto_tune=auto_tune,
+        backward_passes_per_step=passes if plain else None, auto_tune=auto_tune, adaptive=adaptive,
     )
     if skew and hvd.rank() == 1:
         for index, param in enumerate(scheduled_model.parameters()):
@@ -135,6 +138,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
     scheduled.synchronize()
     stats = dict(scheduled._bytescheduler.scheduler.stats)
     tuner = scheduled._bytescheduler.scheduler.tuner
+    switch = scheduled._bytescheduler._switch
     result = {
         "model": name,
         "optimizer": kind,
@@ -152,6 +156,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
         "stats": stats,
         "channel": type(scheduled._bytescheduler.scheduler._channel).__name__,
         "credit_bytes": scheduled._bytescheduler.scheduler.config.credit_bytes,
+        "modes": None if switch is None else "".join(mode[0] for mode in switch.chooser.history),
         "tuning": None if tuner is None else {
             "done": tuner.done, "settings": [[t.partition_bytes, t.credit_bytes] for t in tuner.history],
         },
@@ -177,6 +182,20 @@ def scenario_idiom() -> None:
         compare("cnn-small", "adamw", 2, plain=True),
     ]
     report(scenario="idiom", runs=runs)
+
+
+def scenario_switch() -> None:
+    """The mode switch with short phases: both paths run, switching often, on every rank alike."""
+    from bytescheduler.pytorch import adaptive
+
+    adaptive.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3)
+    runs = [
+        compare("cnn-small", "sgd", 1, adaptive=True),
+        compare("gpt2-small", "adamw", 1, adaptive=True, idiom=True),
+        compare("cnn-small", "sgd", 2, adaptive=True),
+        compare("cnn-small", "adamw", 1, plain=True, adaptive=True),
+    ]
+    report(scenario="switch", runs=runs)
 
 
 def scenario_tune() -> None:
@@ -338,6 +357,7 @@ SCENARIOS = {
     "credit": scenario_credit,
     "fallback": scenario_fallback,
     "tune": scenario_tune,
+    "switch": scenario_switch,
     "dies": scenario_dies,
     "bad": scenario_bad,
 }

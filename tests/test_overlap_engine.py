@@ -143,15 +143,16 @@ def test_two_optimizers_in_one_process_keep_their_busy_counts_apart():
 
 
 def test_updates_are_batched_by_group_and_step_in_forward_order_and_size():
-    from bytescheduler.pytorch import overlap
-    from bytescheduler.pytorch.overlap import _batches, _ParamState
+    from bytescheduler.pytorch import updates
+    from bytescheduler.pytorch.overlap import _ParamState
+    from bytescheduler.pytorch.updates import batches as _batches
 
     def state(key, numel, priority, group=0, step=1):
         s = _ParamState(torch.nn.Parameter(torch.zeros(numel)), key, f"p{key}", priority, group)
         s.step_number = step
         return s
 
-    big = overlap.BATCH_ELEMENTS
+    big = updates.BATCH_ELEMENTS
     a, b, c = state(0, 10, 2), state(1, 10, 0), state(2, 10, 1)
     other_group, next_step = state(3, 10, 3, group=1), state(4, 10, 4, step=2)
     large, after_large = state(5, big - 5, 5), state(6, 10, 6)

@@ -125,6 +125,10 @@ class CpuMeter:
                 for system, roles in table.items()}
 
 
+# Warm-up steps at most while the adaptive switch makes its first choice.
+MAX_CHOOSING_STEPS = 200
+
+
 def _counts(system: "System") -> Tuple[int, int]:
     stats = system.stats() or {}
     return stats.get("operations", 0), stats.get("pieces", 0)
@@ -172,6 +176,14 @@ class System:
 
     def stats(self) -> dict:
         return {}
+
+    def choosing(self) -> bool:
+        """True until the adaptive mode switch made its first choice (the same step on every rank)."""
+        return False
+
+    def modes(self) -> str:
+        """The mode of every step so far, one letter each (s: scheduled, p: plain), or ''."""
+        return ""
 
     def close(self) -> None:
         pass
@@ -222,6 +234,12 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
         # Tuning happens in warm-up, the same number of steps on every rank.
         for _ in range(args.warmup + (args.auto_tune if system.tuned else 0)):
             system.iterate()
+        # The adaptive switch's first trials too (a few dozen steps, once per training run);
+        # its later re-trials fall in the timed blocks.
+        for _ in range(MAX_CHOOSING_STEPS):
+            if not system.choosing():
+                break
+            system.iterate()
         system.flush()
     times: Dict[str, List[float]] = {name: [] for name in systems}
     rss: Dict[str, float] = {name: 0.0 for name in systems}
@@ -229,6 +247,7 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     cpu = pinned_cpu()
     meter = CpuMeter(cpu)
     counted = {name: [0, 0] for name in systems}  # operations, pieces in timed blocks
+    plain_steps = {name: 0 for name in systems}
     progress(rank, 0, args.rounds)
     for round_index in range(args.rounds):
         for name, system in systems.items():
@@ -236,6 +255,7 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
             system.trace(tracer.active)
             barrier()
             ops, pieces = _counts(system)
+            steps_before = len(system.modes())
             busy_start = cpu_busy_seconds(cpu) if cpu is not None else 0.0
             meter.start()
             start = time.perf_counter()
@@ -247,6 +267,7 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
             ops_end, pieces_end = _counts(system)
             counted[name][0] += ops_end - ops
             counted[name][1] += pieces_end - pieces
+            plain_steps[name] += system.modes()[steps_before:].count("p")
             times[name].append(elapsed / args.iters)
             if cpu is not None:
                 busy[name].append(min(1.0, (cpu_busy_seconds(cpu) - busy_start) / elapsed))
@@ -257,7 +278,9 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     profile = {name: {"cpu_ms_per_iteration": cpu_ms.get(name, {}),
                       "bytescheduler_thread_ms_per_iteration": thread_ms.get(name, {}),
                       "operations_per_iteration": counted[name][0] / max(1, meter.iterations.get(name, 0)),
-                      "pieces_per_iteration": counted[name][1] / max(1, meter.iterations.get(name, 0))}
+                      "pieces_per_iteration": counted[name][1] / max(1, meter.iterations.get(name, 0)),
+                      "plain_fraction": (plain_steps[name] / max(1, meter.iterations.get(name, 0))
+                                         if systems[name].modes() else None)}
                for name in systems}
     return times, rss, busy, profile
 

@@ -196,6 +196,12 @@ def cpu_table(summary: dict) -> List[str]:
         if threads:
             details.append(f"{entry['label']}: " + ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(threads.items())))
     tail = ["", "bytescheduler's threads on rank 0 (ms per iteration): " + "; ".join(details) + "."] if details else []
+    plain = [f"{entry['label']} {100 * fraction:.0f}%" for entry in summary["systems"].values()
+             for fraction in [((entry.get("profile_per_rank") or [None])[0] or {}).get("plain_fraction")]
+             if fraction is not None]
+    if plain:
+        tail += ["", "Timed steps on the framework's own path (the adaptive switch's choice and re-trials): "
+                 + ", ".join(plain) + "."]
     return ["", "CPU per iteration (ms, rank 0/rank 1), by thread: the training thread (forward, backward, "
             "step, hooks), bytescheduler's threads, native threads (gloo's, Horovod's background thread, "
             "MXNet's engine and ps-lite), other Python threads, and the rest of the rank's core (the kernel's "

@@ -85,6 +85,14 @@ class Scheduled(System):
     def trace(self, active: bool) -> None:
         _record(self.optimizer._bytescheduler.scheduler, active)
 
+    def choosing(self) -> bool:
+        switch = self.optimizer._bytescheduler._switch
+        return switch is not None and switch.chooser.decisions == 0
+
+    def modes(self) -> str:
+        switch = self.optimizer._bytescheduler._switch
+        return "" if switch is None else "".join(mode[0] for mode in switch.chooser.history)
+
     def close(self) -> None:
         self.optimizer.close()
 

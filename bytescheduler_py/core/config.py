@@ -45,6 +45,7 @@ ENV_MERGE = "BYTESCHEDULER_MERGE"
 ENV_FAST_LANE = "BYTESCHEDULER_FAST_LANE"
 ENV_TUNING = "BYTESCHEDULER_TUNING"
 ENV_CYCLE = "BYTESCHEDULER_CYCLE_TIME"
+ENV_ADAPTIVE = "BYTESCHEDULER_ADAPTIVE"
 
 
 def parse_size(value: Size, name: str) -> int:
@@ -153,6 +154,11 @@ class SchedulerConfig:
         backward), on flush and on stop, so the last, most urgent tensors are never held.
         On a fast link, where each tensor would otherwise go alone, it saves the fixed cost
         of most operations; 0 launches whatever the credit admits immediately.
+    adaptive: let rank 0 time the scheduled path against the framework's own (plain) path
+        and run the faster, trying the other again now and then
+        (:mod:`bytescheduler.core.modes`); the math is the same either way.
+        ScheduledOptimizer (torch and Horovod) turns it on by default; it is off with
+        ``auto_tune``, which tunes the scheduled path.
     """
 
     partition_bytes: int = 4 * 1024**2
@@ -164,6 +170,7 @@ class SchedulerConfig:
     log_level: Optional[int] = None
     auto_tune: bool = False
     cycle_ms: float = 0.0
+    adaptive: bool = False
 
     @classmethod
     def resolve(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional["SchedulerConfig"] = None,
@@ -216,6 +223,7 @@ _PARSERS = {
     "log_level": parse_log_level,
     "timeline": lambda value, name: os.fspath(value),
     "cycle_ms": parse_milliseconds,
+    "adaptive": parse_bool,
 }
 
 
@@ -229,6 +237,7 @@ _ENVIRONMENT = {
     ENV_DEBUG: "log_level",
     ENV_TUNING: "auto_tune",
     ENV_CYCLE: "cycle_ms",
+    ENV_ADAPTIVE: "adaptive",
 }
 
 

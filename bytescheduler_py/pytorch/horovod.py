@@ -35,9 +35,11 @@ from ..core import Scheduler, SchedulerConfig
 from ..core.backend import Done
 from ..core.config import parse_bool
 from ..core.errors import CommunicationTimeout
+from ..core.modes import STOP
 from ..core.ordering import read_frame
 from ..core.tcp_channel import TcpOrderChannel, connect
 from ..core.task import Operation
+from .adaptive import PlainSetup
 from .optimizer import wrap_optimizer
 from .order import frame_tensors
 from .overlap import OverlapEngine
@@ -48,7 +50,8 @@ _NEVER = 1 << 62
 # Horovod runs one operation at a time and negotiates each, so fewer, larger pieces pay off:
 # 8 MiB pieces under a 16 MiB credit measured 1.05x of plain Horovod at 1 Gbit/s and 1.01x at
 # 2 Gbit/s, against 1.03x and 0.94x with the library's 4/16 MiB (docs/benchmarks.md).
-HOROVOD_DEFAULTS = SchedulerConfig(partition_bytes=8 * 1024**2, credit_bytes=16 * 1024**2)
+# Rank 0 also times this against Horovod's own path and keeps the faster (adaptive.py).
+HOROVOD_DEFAULTS = SchedulerConfig(partition_bytes=8 * 1024**2, credit_bytes=16 * 1024**2, adaptive=True)
 # int64 words per ordering broadcast (a decision of one piece takes 6 words).
 _ORDER_WORDS = 128
 # Ordering broadcasts reuse this many names, so that Horovod's response cache knows them.
@@ -199,6 +202,32 @@ class HorovodOrderChannel:
             _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
 
 
+class HorovodReducer:
+    """The plain path's :class:`~bytescheduler.pytorch.plain.Reducer` over Horovod: what
+    ``hvd.DistributedOptimizer`` does, one named ``allreduce_async_`` per gradient (Horovod's
+    background thread fuses them), waited for in ``step()``."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+
+    def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
+        return [hvd.allreduce_async_(grad, name=f"{self._prefix}.{key}", op=hvd.Average) for key, grad in items]
+
+    def wait(self, handles: List[Any]) -> None:
+        for handle in handles:
+            hvd.synchronize(handle)
+
+
+def _plain_setup(prefix: str) -> PlainSetup:
+    """The mode switch over Horovod: its own path, and one object all-gather to agree."""
+
+    def agree(proposal: int, veto: bool) -> int:
+        votes = hvd.allgather_object((proposal, bool(veto)), name=f"{prefix}.mode")
+        return STOP if any(v for _, v in votes) else votes[0][0]
+
+    return PlainSetup(HorovodReducer(prefix), agree, first_bytes=0, bucket_bytes=0)
+
+
 def _order_channel(prefix: str, timeout: float) -> Any:
     """Rank 0's order: TCP if every rank reaches rank 0, else Horovod broadcasts (collective)."""
     names = itertools.count()
@@ -267,7 +296,8 @@ def ScheduledOptimizer(
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
             ``timeout=``, ...; see :class:`bytescheduler.core.SchedulerConfig`); rank 0's
             decide. Unset ones come from the environment or :data:`HOROVOD_DEFAULTS`
-            (8 MiB pieces, a 16 MiB credit). ``merge`` is off: Horovod fuses by itself.
+            (8 MiB pieces, a 16 MiB credit, ``adaptive``: rank 0 runs Horovod's own path
+            instead where that is faster). ``merge`` is off: Horovod fuses by itself.
 
     Returns an instance of the user's optimizer class.
     """
@@ -285,6 +315,9 @@ def ScheduledOptimizer(
     backend = HorovodBackend()
     channel = _order_channel(f"{backend.name}.order", config.timeout) if hvd.size() > 1 else None
     scheduler = Scheduler(backend, channel=channel, rank=hvd.rank(), config=config)
+    plain = None
+    if config.adaptive and not config.auto_tune and hvd.size() > 1:
+        plain = _plain_setup(f"{backend.name}.plain")
 
     def close() -> None:
         try:
@@ -297,7 +330,7 @@ def ScheduledOptimizer(
         return OverlapEngine(
             model, optimizer, base, scheduler, hvd.size(), prescale=False,
             backward_passes_per_step=backward_passes_per_step or passes, timeout=config.timeout,
-            on_close=close,
+            on_close=close, plain=plain,
         )
 
     try:

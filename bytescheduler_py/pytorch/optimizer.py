@@ -25,14 +25,18 @@ import torch
 import torch.distributed as dist
 
 from ..core import SchedulerConfig
+from .adaptive import PlainSetup
 from .overlap import OverlapEngine
+from .plain import FlatReducer, torch_agreement
 from .session import TorchSession
 
 # A layer's gradients arrive milliseconds apart in backward; on a fast link each would go
 # out alone, and an operation's fixed cost (Python, gloo's threads, the order message)
 # is then most of its cost. Holding queued work up to 2 ms to merge it (until step()
 # ends the burst) measured 0.95-0.97x of DDP on loopback against 0.87-0.90x without.
-OPTIMIZER_DEFAULTS = SchedulerConfig(cycle_ms=2.0)
+# Rank 0 times the scheduled path against the framework's own and keeps the faster
+# (adaptive.py): where communication is hidden anyway, scheduling only costs CPU.
+OPTIMIZER_DEFAULTS = SchedulerConfig(cycle_ms=2.0, adaptive=True)
 
 
 class _ScheduledMethods:
@@ -125,7 +129,8 @@ def ScheduledOptimizer(
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
             ``cycle_ms=``, ...; see :class:`bytescheduler.core.SchedulerConfig`, the one place
             they are defined). Unset ones come from the environment or
-            :data:`OPTIMIZER_DEFAULTS` (which holds work up to 2 ms to merge it).
+            :data:`OPTIMIZER_DEFAULTS` (which holds work up to 2 ms to merge it, and with
+            ``adaptive`` lets rank 0 run the plain, DDP-like path where that is faster).
 
     Returns an instance of ``type(optimizer)``. Call ``close()`` on every rank at the end.
     """
@@ -148,11 +153,16 @@ def ScheduledOptimizer(
     if session.scheduler is None:
         raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
 
+    plain = None
+    if config.adaptive and not config.auto_tune and session.world_size > 1:
+        lane = session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
+        plain = PlainSetup(FlatReducer(lane), torch_agreement(lane, session.groups.backend))
+
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
             model, optimizer, base, session.scheduler, session.world_size, prescale=True,
             backward_passes_per_step=backward_passes_per_step, timeout=config.timeout,
-            on_close=session.release,
+            on_close=session.release, plain=plain,
         )
 
     try:

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from ..core import Scheduler, Task
 from ..core.errors import ByteSchedulerError, CommunicationTimeout, ErrorLatch
 from ..core.log import logger
+from .adaptive import ModeSwitch, PlainSetup
 from .heap import raise_malloc_thresholds
 from .read_guard import ReadGuard, suspended
+from .updates import Updater, sub_optimizer, zero_gradient
 
 IDLE, QUEUED, COMMUNICATED = 0, 1, 2
 
@@ -66,50 +67,6 @@ class _ParamState:
         self.discard = False
 
 
-def _sub_optimizer(optimizer: torch.optim.Optimizer, base: type, param: torch.nn.Parameter, group: dict):
-    """A private instance of the user's optimizer class over one parameter, sharing its state.
-
-    Built without calling ``__init__`` (custom optimizers may take other arguments), from
-    the user's instance attributes, with its hooks and any instance-level patches (e.g. the
-    LR scheduler's step counter) left out, so one parameter's update runs the user's own
-    update rule exactly as the full ``step()`` would.
-    """
-    sub = base.__new__(base)
-    skip = {"param_groups", "state", "step", "zero_grad", "_bytescheduler"}
-    sub.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in skip})
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-        if hooks in optimizer.__dict__:
-            setattr(sub, hooks, OrderedDict())
-    sub.param_groups = [dict(group, params=[param])]
-    sub.state = optimizer.state
-    return sub
-
-
-class _Snapshots:
-    """The hyperparameters in force at each called step, kept until its last update used them.
-
-    The user may change the learning rate (an LR scheduler) while earlier steps' updates
-    are still pending; each update must use its own step's values.
-    """
-
-    def __init__(self) -> None:
-        self._groups: Dict[int, List[dict]] = {}
-        self._users: Dict[int, int] = {}
-
-    def record(self, step: int, param_groups: List[dict], users: int) -> None:
-        if users:
-            self._groups[step] = [{k: v for k, v in group.items() if k != "params"} for group in param_groups]
-            self._users[step] = users
-
-    def take(self, step: int, group: int, count: int = 1) -> dict:
-        """``count`` parameters' updates of ``step`` use the values of their ``group`` (and let go of them)."""
-        values = self._groups[step][group]
-        self._users[step] -= count
-        if not self._users[step]:
-            del self._groups[step], self._users[step]
-        return values
-
-
 class OverlapEngine:
     """Schedules each parameter's gradient and applies its update as soon as it is averaged.
 
@@ -124,6 +81,8 @@ class OverlapEngine:
         backward_passes_per_step: backward passes accumulated locally before communicating.
         guard_reads: install the read guard on the constructing thread.
         timeout: seconds to wait for one parameter before raising.
+        plain: the framework's own path, for the adaptive mode switch
+            (:mod:`bytescheduler.pytorch.adaptive`); None: always scheduled.
     """
 
     def __init__(
@@ -138,6 +97,7 @@ class OverlapEngine:
         guard_reads: bool = True,
         timeout: float = 300.0,
         on_close: Optional[Callable[[], None]] = None,
+        plain: Optional[PlainSetup] = None,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be at least 1")
@@ -151,8 +111,6 @@ class OverlapEngine:
         self._on_close = on_close
         self._cond = threading.Condition(threading.Lock())
         self._steps_called = 0
-        self._snapshots = _Snapshots()
-        self._ready: List[_ParamState] = []
         self._latch = ErrorLatch()
         self._closed = False
         self.busy = 0  # parameters not IDLE (the read guard's fast check), under _cond
@@ -163,6 +121,10 @@ class OverlapEngine:
         self._names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
         self._order = {id(p): i for i, p in enumerate(model.parameters())}
         self._register_params(0)
+        self.guard_reads = guard_reads
+        self.plain = False  # the plain path runs (see adaptive.py)
+        self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank == 0, self.states,
+                                                             self._prepared_gradient)
         for module in model.modules():
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
             if own:
@@ -170,8 +132,7 @@ class OverlapEngine:
         # Gradients are freed while the next forward runs; keep glibc from returning their
         # memory to the kernel each time (see heap.py: ~5,000 page faults per iteration).
         raise_malloc_thresholds()
-        self._updater = threading.Thread(target=self._run_updater, name="bytescheduler-update", daemon=True)
-        self._updater.start()
+        self._updates = Updater(self)
         ReadGuard.attach(self, install=guard_reads)
 
     # ------------------------------------------------------------------ registration
@@ -185,7 +146,7 @@ class OverlapEngine:
                 key = len(self.states)
                 priority = self._order.get(id(param), len(self._order) + key)
                 state = _ParamState(param, key, self._names.get(id(param), f"param{key}"), priority, group_index)
-                state.sub = _sub_optimizer(self._optimizer, self._base, param, group)
+                state.sub = sub_optimizer(self._optimizer, self._base, param, group)
                 self.states[id(param)] = state
                 # Runs before autograd accumulates into p.grad: a gradient that would change
                 # p.grad while it is in flight or awaiting its update is refused there.
@@ -195,6 +156,8 @@ class OverlapEngine:
     def add_param_group(self, group_index: int) -> None:
         """Register the parameters of a group the user added after construction."""
         self._register_params(group_index)
+        if self._switch is not None:
+            self._switch.rebuild()
 
     def refresh_state(self) -> None:
         """Re-point the per-parameter optimizers at the optimizer's state (after load_state_dict)."""
@@ -210,16 +173,14 @@ class OverlapEngine:
         state.stage = stage
 
     def _check_accumulate(self, state: _ParamState) -> None:
+        if self.plain and self._switch.path.taken(state.key):
+            raise GradientError(_AGAIN.format(state.name))
         with self._cond:
             self._latch.raise_if_set()
             if state.stage == IDLE:
                 return
             if state.step_number > self._steps_called:
-                raise GradientError(
-                    f"parameter {state.name!r} got another gradient before optimizer.step() while "
-                    "its previous gradient is being communicated: to accumulate gradients over k "
-                    "backward passes, pass backward_passes_per_step=k"
-                )
+                raise GradientError(_AGAIN.format(state.name))
             raise GradientError(
                 f"parameter {state.name!r} got a gradient while its update from the last step was "
                 "still pending; it was used without going through a module forward or a torch "
@@ -232,14 +193,20 @@ class OverlapEngine:
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
                 return
-        self._submit(state)
+        if self.plain:
+            self._switch.path.ready(state.key)
+        else:
+            self._submit(state)
 
-    def _submit(self, state: _ParamState) -> None:
+    def _prepared_gradient(self, state: _ParamState) -> Optional[torch.Tensor]:
+        """The parameter's gradient, checked, contiguous and (``prescale``) divided by the world size."""
         param = state.param
+        with self._cond:
+            state.passes = 0
         with suspended():
             grad = param.grad
             if grad is None:
-                return
+                return None
             if grad.is_sparse:
                 raise GradientError(
                     f"parameter {state.name!r} has a sparse gradient, which bytescheduler does not "
@@ -250,6 +217,12 @@ class OverlapEngine:
                 param.grad = grad
             if self.prescale:
                 grad.div_(self.world_size)
+        return grad
+
+    def _submit(self, state: _ParamState) -> None:
+        grad = self._prepared_gradient(state)
+        if grad is None:
+            return
         ready = None
         if grad.is_cuda:
             ready = torch.cuda.Event()
@@ -259,7 +232,6 @@ class OverlapEngine:
             payload=grad.view(-1), fuse_key=(grad.dtype, grad.device), name=state.name, context=ready,
         )
         with self._cond:
-            state.passes = 0
             state.grad = grad
             state.version = grad._version
             state.task = task
@@ -286,7 +258,7 @@ class OverlapEngine:
                 self._set_stage(state, IDLE)
             else:
                 self._set_stage(state, COMMUNICATED)
-                self._ready.append(state)
+                self._updates.ready.append(state)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ step
@@ -294,21 +266,28 @@ class OverlapEngine:
     def step(self) -> None:
         """Record this step's hyperparameters; updates follow as gradients arrive."""
         self._latch.raise_if_set()
+        if self.plain:
+            self._switch.plain_step(self)
+            return
         # Gradients not communicated during backward (partial accumulation, parameters that
         # kept a gradient but were unused this iteration) go now, in key order on every rank.
-        for state in self.states.values():
-            if not (state.stage != IDLE and state.step_number > self._steps_called):
-                if state.param.grad is not None:
-                    self._submit(state)
+        late = [s for s in self.states.values() if not (s.stage != IDLE and s.step_number > self._steps_called)]
+        if self._switch is not None and 0 < len(late) < len(self.states):
+            self._switch.irregular = True  # a backward ran, without some parameters
+        for state in late:
+            if state.param.grad is not None:
+                self._submit(state)
         with self._cond:
             self._steps_called += 1
             step = self._steps_called
             users = sum(1 for s in self.states.values() if s.stage != IDLE and s.step_number == step)
-            self._snapshots.record(step, self._optimizer.param_groups, users)
+            self._updates.snapshots.record(step, self._optimizer.param_groups, users)
             self._cond.notify_all()
         # Backward is over: nothing more will come to merge with what is queued.
         self.scheduler.end_burst()
         self.scheduler.step_boundary()
+        if self._switch is not None:
+            self._switch.end_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients now, or right after a pending update (which still needs them)."""
@@ -323,7 +302,7 @@ class OverlapEngine:
                     discarded.append(state)
                 else:
                     state.zero_request = set_to_none
-            self._ready = [s for s in self._ready if not s.discard]
+            self._updates.ready = [s for s in self._updates.ready if not s.discard]
             for state in discarded:
                 if state.stage == COMMUNICATED:
                     self._set_stage(state, IDLE)
@@ -331,7 +310,7 @@ class OverlapEngine:
             zero_now = [s for s in self.states.values() if s.stage == IDLE]
         with suspended():
             for state in zero_now:
-                _zero(state.param, set_to_none)
+                zero_gradient(state.param, set_to_none)
 
     def synchronize(self) -> None:
         """Wait for every gradient in flight and every update of the steps called so far."""
@@ -396,35 +375,12 @@ class OverlapEngine:
 
     # ------------------------------------------------------------------ updates
 
-    def _run_updater(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if self._latch or self._closed:
-                        return
-                    due = [s for s in self._ready if s.step_number <= self._steps_called]
-                    if due:
-                        self._ready = [s for s in self._ready if s.step_number > self._steps_called]
-                        break
-                    self._cond.wait(_WAIT_SLICE)
-            try:
-                for batch in _batches(due):
-                    self._apply(batch)
-            except BaseException as error:  # noqa: BLE001 - surfaces in the training thread
-                with self._cond:
-                    self._fail_locked(error)
-                return
-
-    def _apply(self, batch: List[_ParamState]) -> None:
-        """One call of the user's update rule over parameters of one group and step."""
-        first = batch[0]
-        with self._cond:
-            values = self._snapshots.take(first.step_number, first.group, len(batch))
-        _batch_optimizer(batch, values).step()
+    def _applied(self, batch: List[_ParamState]) -> None:
+        """The updater applied ``batch``: deferred zero_grad, then the parameters are IDLE."""
         with self._cond:
             for state in batch:
                 if state.zero_request is not None:
-                    _zero(state.param, state.zero_request)
+                    zero_gradient(state.param, state.zero_request)
                     state.zero_request = None
                 state.grad = None
                 self._set_stage(state, IDLE)
@@ -443,6 +399,8 @@ class OverlapEngine:
             if self._closed:
                 return
         try:
+            if self._switch is not None:
+                self._switch.path.wait_launched()
             if wait and not self._latch:
                 self.synchronize()
         finally:
@@ -451,7 +409,7 @@ class OverlapEngine:
                 for state in self.states.values():
                     self._set_stage(state, IDLE)
                 self._cond.notify_all()
-            self._updater.join(timeout=30)
+            self._updates.join(timeout=30)
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -463,55 +421,8 @@ class OverlapEngine:
                     self._on_close()
 
 
-# Parameters updated in one call of the update rule: few calls on small models, while on
-# large ones the first layers' updates (the next forward's first need) do not wait for all.
-BATCH_ELEMENTS = 1 << 20
+_AGAIN = (
+    "parameter {!r} got another gradient before optimizer.step() while its previous gradient "
+    "is being communicated: to accumulate gradients over k backward passes, pass backward_passes_per_step=k"
+)
 
-
-def _batches(due: List[_ParamState]) -> List[List[_ParamState]]:
-    """``due`` in forward order, cut where the group or step changes or a batch grows large.
-
-    The user's update rule treats each parameter on its own (as per-parameter updates
-    already require), so updating several in one call gives the same numbers with one
-    call's Python overhead.
-    """
-    batches: List[List[_ParamState]] = []
-    size = 0
-    for state in sorted(due, key=lambda s: (s.step_number, s.priority)):
-        numel = state.param.numel()
-        last = batches[-1] if batches else None
-        if (last is None or last[0].group != state.group or last[0].step_number != state.step_number
-                or size + numel > BATCH_ELEMENTS):
-            batches.append([state])
-            size = numel
-        else:
-            last.append(state)
-            size += numel
-    return batches
-
-
-def _batch_optimizer(batch: List[_ParamState], values: dict) -> torch.optim.Optimizer:
-    """The per-parameter optimizer of ``batch[0]`` over every parameter of ``batch``, with ``values``."""
-    if len(batch) == 1:
-        sub = batch[0].sub
-        sub.param_groups[0].update(values)
-        return sub
-    first = batch[0].sub
-    sub = type(first).__new__(type(first))  # not copy.copy: Optimizer.__getstate__ keeps three fields only
-    sub.__dict__.update(first.__dict__)  # shares the optimizer's state
-    sub.param_groups = [dict(values, params=[state.param for state in batch])]
-    return sub
-
-
-def _zero(param: torch.nn.Parameter, set_to_none: bool) -> None:
-    """What ``Optimizer.zero_grad`` does to one parameter."""
-    if param.grad is None:
-        return
-    if set_to_none:
-        param.grad = None
-    else:
-        if param.grad.grad_fn is not None:
-            param.grad.detach_()
-        else:
-            param.grad.requires_grad_(False)
-        param.grad.zero_()

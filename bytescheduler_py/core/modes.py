@@ -1,0 +1,185 @@
+"""Scheduled or plain: rank 0 chooses, from measured step times, whether scheduling pays.
+
+Scheduling costs CPU on every rank (a Python hook per gradient, a dispatcher, an updater
+and the read guard on the training thread). Where communication is hidden anyway (a small
+model, a fast link) that cost is all there is, and the framework's own path (gradients
+averaged in a few large buckets during backward, one full ``step()``) is faster. Nothing
+predicts that reliably from a model's shape, so :class:`ModeChooser` measures: it runs
+both paths for a few steps, keeps the faster, and now and then tries the other again for
+a few steps, in case the situation changed (the link got slower, a bigger batch).
+
+The chooser is pure: it is fed rank 0's step times and answers with the mode to run.
+Which steps run which mode is a function of the step count and of the decisions taken
+so far, so every rank keeps an identical chooser and only the decisions travel: at a
+*decision point* (:meth:`ModeChooser.end_step` returns True) rank 0 calls
+:meth:`~ModeChooser.propose` and every rank calls :meth:`~ModeChooser.adopt` with what
+rank 0 proposed (an adapter's one small collective).
+
+>>> chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1)
+>>> times = {SCHEDULED: 1.0, PLAIN: 0.5}
+>>> for _ in range(20):
+...     chooser.record(times[chooser.mode])
+...     if chooser.end_step():
+...         chooser.adopt(chooser.propose())
+>>> chooser.mode, chooser.decisions
+('plain', 1)
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+SCHEDULED = "scheduled"
+PLAIN = "plain"
+MODES = (SCHEDULED, PLAIN)
+
+# What rank 0 proposes at a decision point (small integers, for a collective).
+CONTINUE, CHOOSE_SCHEDULED, CHOOSE_PLAIN, STOP = 0, 1, 2, 3
+_CHOICE = {SCHEDULED: CHOOSE_SCHEDULED, PLAIN: CHOOSE_PLAIN}
+
+_WARMUP, _TRIAL, _HOLD, _RETRIAL, _FIXED = "warmup", "trial", "hold", "retrial", "fixed"
+
+
+def _other(mode: str) -> str:
+    return PLAIN if mode == SCHEDULED else SCHEDULED
+
+
+class ModeChooser:
+    """Which path runs each step: trials of both, a hold of the faster, short re-trials.
+
+    Args:
+        warmup: steps before the first trial (first iterations are slow), in the scheduled mode.
+        settle: steps after each switch that are not timed (the switch drains the pipeline).
+        trial: timed steps per trial phase.
+        pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
+            difference larger than ``clear`` decides at once.
+        hold: steps the faster path runs before the slower one is tried again; doubled each
+            time the re-trial confirms the choice, up to ``max_hold``.
+        margin: the scheduled path is kept only when its median step is faster than the
+            plain path's by more than this fraction (ties go to the cheaper, plain path).
+        clear: a difference this large decides after one trial pair.
+
+    Times are seconds per step, recorded on rank 0 only (other ranks never call
+    :meth:`record` or :meth:`propose`).
+    """
+
+    def __init__(self, warmup: int = 3, settle: int = 1, trial: int = 4, pairs: int = 3, hold: int = 200,
+                 max_hold: int = 3200, margin: float = 0.01, clear: float = 0.10) -> None:
+        if min(warmup, trial, pairs, hold) < 1 or settle < 0:
+            raise ValueError("warmup, trial, pairs and hold must be at least 1 and settle at least 0")
+        self.settle, self.trial, self.pairs = settle, trial, pairs
+        self.first_hold, self.max_hold = hold, max_hold
+        self.margin, self.clear = margin, clear
+        self.mode = SCHEDULED
+        self.decisions = 0  # decision points passed
+        self._runs: List[List] = []  # [mode, steps] of the steps ended, run-length encoded
+        self._phase = _WARMUP
+        self._length = warmup
+        self._done = 0  # steps of the current phase
+        self._samples: List[float] = []  # timed steps of the current phase
+        self._settling = 0
+        self._trials: Dict[str, List[float]] = {SCHEDULED: [], PLAIN: []}
+        self._pairs_run = 0
+        self._hold = hold
+        self._held: List[float] = []  # the hold's last timed steps (the re-trial's reference)
+
+    @property
+    def history(self) -> List[str]:
+        """The mode of every step ended, in order."""
+        return [mode for mode, steps in self._runs for _ in range(steps)]
+
+    @property
+    def fixed(self) -> bool:
+        """True once choosing stopped for good (:meth:`adopt` of :data:`STOP`): the scheduled path stays."""
+        return self._phase == _FIXED
+
+    # ------------------------------------------------------------------ every rank
+
+    def end_step(self) -> bool:
+        """A step ended (before :meth:`record` of the next). True: a decision point, agree now."""
+        if self._runs and self._runs[-1][0] == self.mode:
+            self._runs[-1][1] += 1
+        else:
+            self._runs.append([self.mode, 1])
+        if self._phase == _FIXED:
+            return False
+        self._done += 1
+        if self._done < self._length:
+            return False
+        if self._phase == _WARMUP:
+            self._start(_TRIAL, SCHEDULED, self.trial)
+            return False
+        if self._phase == _HOLD:
+            self._start(_RETRIAL, _other(self.mode), self.trial)
+            return False
+        if self._phase == _TRIAL and self.mode == SCHEDULED:
+            self._trials[SCHEDULED] += self._samples
+            self._start(_TRIAL, PLAIN, self.trial)
+            return False
+        if self._phase == _TRIAL:
+            self._trials[PLAIN] += self._samples
+            self._pairs_run += 1
+        return True  # a trial pair or a re-trial is complete
+
+    def adopt(self, proposal: int) -> None:
+        """Apply rank 0's :meth:`propose` at a decision point (on every rank alike)."""
+        self.decisions += 1
+        if proposal == STOP:
+            self._phase, self.mode = _FIXED, SCHEDULED
+            return
+        if proposal == CONTINUE:
+            if self._phase != _TRIAL:
+                raise ValueError("CONTINUE is only proposed after a trial pair")
+            self._start(_TRIAL, SCHEDULED, self.trial)
+            return
+        chosen = SCHEDULED if proposal == CHOOSE_SCHEDULED else PLAIN
+        if self._phase == _RETRIAL:
+            confirmed = chosen != self.mode  # the re-trial ran the other mode
+            self._hold = min(self._hold * 2, self.max_hold) if confirmed else self.first_hold
+        self._trials = {SCHEDULED: [], PLAIN: []}
+        self._pairs_run = 0
+        self._held = []
+        self._start(_HOLD, chosen, self._hold)
+
+    def _start(self, phase: str, mode: str, length: int) -> None:
+        switched = mode != self.mode
+        self._phase, self.mode = phase, mode
+        self._settling = self.settle if switched else 0
+        self._length = length + self._settling
+        self._done = 0
+        self._samples = []
+
+    # ------------------------------------------------------------------ rank 0
+
+    def record(self, seconds: Optional[float]) -> None:
+        """Rank 0: the step now ending took ``seconds`` (None: unknown, e.g. the first step)."""
+        if seconds is None or self._phase in (_WARMUP, _FIXED):
+            return
+        if self._done < self._settling:
+            return
+        self._samples.append(seconds)
+        if self._phase == _HOLD:
+            self._held = (self._held + [seconds])[-4 * self.trial:]
+
+    def propose(self) -> int:
+        """Rank 0 at a decision point: what every rank should do next."""
+        if self._phase == _RETRIAL:
+            held, tried = _median(self._held), _median(self._samples)
+            if held is None or tried is None:
+                return _CHOICE[_other(self.mode)]  # nothing to compare: back to the held mode
+            return _CHOICE[self._faster({self.mode: tried, _other(self.mode): held})]
+        scheduled, plain = _median(self._trials[SCHEDULED]), _median(self._trials[PLAIN])
+        if scheduled is None or plain is None:
+            return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
+        medians = {SCHEDULED: scheduled, PLAIN: plain}
+        if self._pairs_run < self.pairs and abs(scheduled - plain) < self.clear * max(scheduled, plain):
+            return CONTINUE
+        return _CHOICE[self._faster(medians)]
+
+    def _faster(self, medians: Dict[str, float]) -> str:
+        return SCHEDULED if medians[SCHEDULED] < medians[PLAIN] * (1.0 - self.margin) else PLAIN
+
+
+def _median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None

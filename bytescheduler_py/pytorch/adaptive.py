@@ -1,0 +1,119 @@
+"""The mode switch of an :class:`~bytescheduler.pytorch.overlap.OverlapEngine`.
+
+With ``adaptive`` on (ScheduledOptimizer's default), rank 0's
+:class:`~bytescheduler.core.modes.ModeChooser` times steps of the scheduled path and of the
+plain path (:mod:`bytescheduler.pytorch.plain`: the framework's own buckets and one full
+``step()``), keeps the faster and re-tries the other now and then. Every rank runs the
+same chooser; at its decision points one small collective carries rank 0's proposal and
+each rank's veto (a rank that saw a parameter without a gradient at some step stops the
+switching for good: the plain path's buckets need every gradient, as DDP's do without
+``find_unused_parameters``). A switch happens inside ``step()``, on every rank at the same
+step, after the scheduled path has drained, so the two paths never overlap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from ..core.modes import CONTINUE, PLAIN, SCHEDULED, ModeChooser
+from .plain import PlainPath, Reducer, assign_buckets
+from .read_guard import ReadGuard
+from .updates import full_optimizer
+
+# ModeChooser's keyword arguments (tests shorten its phases to see many switches).
+CHOOSER_OPTIONS: Dict[str, Any] = {}
+
+# DDP's bucket sizes (torch.distributed's first bucket and bucket_cap_mb's default).
+FIRST_BUCKET_BYTES = 1024**2
+BUCKET_BYTES = 25 * 1024**2
+
+
+@dataclass
+class PlainSetup:
+    """What an adapter gives the engine for the plain mode.
+
+    reducer: the framework's collective over buckets.
+    agree: ``agree(proposal, veto) -> decision``, collective: rank 0's proposal, or
+        :data:`~bytescheduler.core.modes.STOP` if any rank vetoes.
+    first_bytes, bucket_bytes: bucket sizes (0: one gradient per bucket, for Horovod,
+        whose background thread fuses by itself).
+    """
+
+    reducer: Reducer
+    agree: Callable[[int, bool], int]
+    first_bytes: int = FIRST_BUCKET_BYTES
+    bucket_bytes: int = BUCKET_BYTES
+
+
+class ModeSwitch:
+    """Chooses the mode at each step's end and runs the plain path while it is chosen.
+
+    Args:
+        setup: the adapter's reducer and agreement.
+        leader: this rank decides (times its steps and proposes).
+        states: the engine's parameter states (``key``, ``param``, ``priority``), live.
+        prepare: state -> its gradient made ready for a bucket (see :class:`PlainPath`).
+    """
+
+    def __init__(self, setup: PlainSetup, leader: bool, states: Dict[int, Any],
+                 prepare: Callable[[Any], Optional[torch.Tensor]], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.chooser = ModeChooser(**CHOOSER_OPTIONS)
+        self._setup = setup
+        self._states = states
+        self._prepare = prepare
+        self._leader = leader
+        self._clock = clock
+        self._last: Optional[float] = None
+        self.irregular = False  # a parameter had no gradient at some step on this rank
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Lay the buckets out again over every parameter (after ``add_param_group``).
+
+        DDP's layout: reverse forward order, cut by size and by dtype and device."""
+        ordered = sorted(self._states.values(), key=lambda s: (s.priority, s.key))
+        by_key = {state.key: state for state in ordered}
+        members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
+                   for s in reversed(ordered)]
+        buckets = assign_buckets(members, self._setup.first_bytes, self._setup.bucket_bytes)
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: self._prepare(by_key[key]))
+
+    def plain_step(self, engine: Any) -> None:
+        """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
+        if not self.path.finish():
+            self.irregular = True
+        with engine._cond:
+            engine._steps_called += 1
+        full_optimizer(engine._optimizer, engine._base).step()
+        self.end_step(engine)
+
+    def end_step(self, engine: Any) -> None:
+        """At the end of every ``step()``: time it (rank 0), agree at decision points, switch.
+
+        Before any collective of ours and before switching away from the scheduled path,
+        the engine drains (``synchronize()``), so the two paths never overlap.
+        """
+        old = self.chooser.mode
+        if self._leader:
+            now = self._clock()
+            self.chooser.record(None if self._last is None else now - self._last)
+            self._last = now
+        if self.chooser.end_step():
+            if old == SCHEDULED:
+                engine.synchronize()
+            proposal = self.chooser.propose() if self._leader else CONTINUE
+            self.chooser.adopt(self._setup.agree(proposal, self.irregular))
+        new = self.chooser.mode
+        if new == old:
+            return
+        if old == SCHEDULED:
+            engine.synchronize()
+        engine.plain = new == PLAIN
+        if engine.plain:
+            ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
+        else:
+            ReadGuard.attach(engine, install=engine.guard_reads)

@@ -1,0 +1,196 @@
+"""The plain path: what the framework itself does, for when scheduling does not pay.
+
+DDP averages gradients in fixed buckets, launched in order while backward runs, waits for
+them at the end of backward and leaves one full ``optimizer.step()`` to the user;
+Horovod's ``DistributedOptimizer`` launches one asynchronous all-reduce per gradient
+(its background thread fuses them) and waits in ``step()``. :class:`PlainPath` does the
+same for an :class:`~bytescheduler.pytorch.overlap.OverlapEngine` in its plain mode: no
+scheduler, no updater thread, no read guard, so it costs about what the framework's own
+path costs. The numbers are the same as in the scheduled mode: each gradient is averaged
+the same way (the same collective on the same values) and the user's update rule treats
+each parameter on its own.
+
+An adapter gives it a :class:`Reducer`, which starts averaging a bucket and waits for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+
+class Reducer(Protocol):
+    """Averages buckets of gradients in place (the framework's own collective)."""
+
+    def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
+        """Begin averaging the ``(key, gradient)`` pairs of one bucket; return a handle."""
+
+    def wait(self, handle: Any) -> None:
+        """Wait for a bucket begun by :meth:`start`; its gradients then hold the average."""
+
+
+class _Bucket:
+    __slots__ = ("index", "keys", "waiting", "handle", "launched")
+
+    def __init__(self, index: int, keys: List[int]) -> None:
+        self.index = index
+        self.keys = keys
+        self.waiting = set(keys)
+        self.handle: Any = None
+        self.launched = False
+
+
+def assign_buckets(members: Sequence[Tuple[int, int, Any]], first_bytes: int, bytes_per_bucket: int) -> List[List[int]]:
+    """Keys grouped into buckets in the given order (DDP's: reverse forward order).
+
+    ``members`` are ``(key, nbytes, kind)``; a bucket holds one kind (dtype and device) and
+    closes once it reaches its size (the first one ``first_bytes``, the others
+    ``bytes_per_bucket``); 0 makes each gradient a bucket of its own.
+
+    >>> assign_buckets([(0, 4, "f"), (1, 4, "f"), (2, 8, "f"), (3, 4, "h")], 4, 8)
+    [[0], [1, 2], [3]]
+    """
+    buckets: List[List[int]] = []
+    size, kind = 0, None
+    for key, nbytes, member_kind in members:
+        limit = first_bytes if len(buckets) <= 1 else bytes_per_bucket
+        if not buckets or member_kind != kind or size >= limit:
+            buckets.append([])
+            size, kind = 0, member_kind
+        buckets[-1].append(key)
+        size += nbytes
+    return buckets
+
+
+class PlainPath:
+    """Fixed buckets averaged in order as their gradients become ready, finished at the end of backward.
+
+    Args:
+        buckets: keys per bucket, in launch order (the same on every rank).
+        reducer: the framework's collective.
+        prepare: key -> the parameter's gradient made ready to join a bucket (checked,
+            contiguous, divided by the world size where the collective sums), or None
+            when the parameter has no gradient.
+
+    Not thread-safe: the training thread (backward's hooks, ``step``) is its only caller.
+    """
+
+    def __init__(self, buckets: List[List[int]], reducer: Reducer,
+                 prepare: Callable[[int], Optional[torch.Tensor]]) -> None:
+        self._buckets = [_Bucket(i, keys) for i, keys in enumerate(buckets)]
+        self._bucket_of = {key: bucket for bucket in self._buckets for key in bucket.keys}
+        self._reducer = reducer
+        self._prepare = prepare
+        self._next = 0  # the next bucket to launch
+        self._prepared: Dict[int, torch.Tensor] = {}
+        self.finished = False  # every bucket averaged during backward (as DDP's end of backward)
+
+    def taken(self, key: int) -> bool:
+        """Whether ``key``'s gradient was taken this iteration (another may not be added to it)."""
+        return key in self._prepared
+
+    def ready(self, key: int) -> None:
+        """``key``'s gradient is complete: prepare it, launch every bucket now complete, in order."""
+        bucket = self._bucket_of[key]
+        grad = self._prepare(key)
+        if grad is None:
+            return
+        self._prepared[key] = grad
+        bucket.waiting.discard(key)
+        while self._next < len(self._buckets) and not self._buckets[self._next].waiting:
+            self._launch(self._buckets[self._next])
+        if self._next == len(self._buckets):
+            self._wait_all()
+            self.finished = True
+
+    def finish(self) -> bool:
+        """At ``step()``: launch what backward left (gradients kept from earlier passes, or
+        buckets with unused parameters) and wait for everything. Returns False when some
+        bucket had to be completed here after a backward pass (an irregular iteration; a
+        step without any backward, e.g. Horovod's ``broadcast_optimizer_state``, is not)."""
+        regular = self.finished or not self._prepared
+        if not self.finished:
+            for bucket in self._buckets[self._next:]:
+                for key in bucket.keys:
+                    if key not in self._prepared:
+                        grad = self._prepare(key)
+                        if grad is not None:
+                            self._prepared[key] = grad
+                self._launch(bucket)
+            self._wait_all()
+        for bucket in self._buckets:
+            bucket.waiting = set(bucket.keys)
+            bucket.launched = False
+        self._next = 0
+        self._prepared = {}
+        self.finished = False
+        return regular
+
+    def _launch(self, bucket: _Bucket) -> None:
+        items = [(key, self._prepared[key]) for key in bucket.keys if key in self._prepared]
+        bucket.handle = self._reducer.start(items) if items else None
+        bucket.launched = True
+        self._next = bucket.index + 1
+
+    def wait_launched(self) -> None:
+        """Wait for the buckets launched so far (closing between backward and ``step()``)."""
+        self._wait_all()
+
+    def _wait_all(self) -> None:
+        for bucket in self._buckets:
+            if bucket.handle is not None:
+                handle, bucket.handle = bucket.handle, None
+                self._reducer.wait(handle)
+
+
+class FlatReducer:
+    """:class:`Reducer` for torch.distributed: each bucket copied into one flat buffer and
+    all-reduced (summed) on ``group``, then copied back, as DDP does without
+    ``gradient_as_bucket_view``."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        self._buffers: Dict[Tuple[int, ...], torch.Tensor] = {}  # kept, as DDP keeps its buckets
+
+    def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
+        grads = [grad for _, grad in items]
+        if len(grads) == 1:
+            flat = grads[0].view(-1)
+        else:
+            keys = tuple(key for key, _ in items)
+            numel = sum(grad.numel() for grad in grads)
+            flat = self._buffers.get(keys)
+            if flat is None or flat.numel() != numel or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+                flat = self._buffers[keys] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+            torch.cat([grad.view(-1) for grad in grads], out=flat)
+        work = self._dist.all_reduce(flat, group=self._group, async_op=True)
+        return work, flat, grads
+
+    def wait(self, handle: Any) -> None:
+        work, flat, grads = handle
+        work.wait()
+        if len(grads) > 1:
+            offset = 0
+            for grad in grads:
+                grad.view(-1).copy_(flat[offset:offset + grad.numel()])
+                offset += grad.numel()
+
+
+def torch_agreement(group: Any, backend: str) -> Callable[[int, bool], int]:
+    """The mode switch's agreement over torch.distributed: one all-reduce (max) of
+    [rank 0's proposal, veto] on ``group`` (a lane, idle whenever this is called)."""
+    import torch.distributed as dist
+
+    from ..core.modes import STOP
+
+    def agree(proposal: int, veto: bool) -> int:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        votes = torch.tensor([proposal, int(veto)], dtype=torch.int64, device=device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+        return STOP if int(votes[1]) else int(votes[0])
+
+    return agree

@@ -1,0 +1,339 @@
+"""The adaptive mode switch: rank 0 times the scheduled path against the framework's own.
+
+The chooser (:mod:`bytescheduler.core.modes`) and the plain path's buckets
+(:mod:`bytescheduler.pytorch.plain`) are tested alone with fake times and a fake reducer;
+the switch itself on 2 real gloo processes with short phases, so that both paths run and
+switch many times within 30 steps, against DistributedDataParallel bit for bit (Horovod's
+twin is ``tests/test_horovod.py::test_mode_switch_...``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bytescheduler.core.modes import CHOOSE_PLAIN, CHOOSE_SCHEDULED, CONTINUE, PLAIN, SCHEDULED, STOP, ModeChooser
+from bytescheduler.pytorch.plain import PlainPath, assign_buckets
+from tests.distributed import run_ranks
+
+# --------------------------------------------------------------------------- the chooser, alone
+
+
+def _drive(chooser, seconds, steps, follower=None):
+    """Run ``steps`` steps on a leader (and a follower that only adopts); seconds(mode, step)."""
+    for step in range(steps):
+        chooser.record(seconds(chooser.mode, step))
+        decision = chooser.end_step()
+        if follower is not None:
+            assert follower.end_step() == decision
+        if decision:
+            proposal = chooser.propose()
+            chooser.adopt(proposal)
+            if follower is not None:
+                follower.adopt(proposal)
+    return "".join(mode[0] for mode in chooser.history)
+
+
+def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confirmed():
+    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40)
+    history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 100)
+    # warm-up 2, scheduled trial 3, plain trial 1+3, decided at once (30% apart): hold 1+10,
+    # re-trial of plain 1+3, confirmed: hold 1+20, re-trial, hold 1+40 (the cap), ...
+    assert history.startswith("sssss" + "pppp" + "s" * 11 + "pppp" + "s" * 21 + "pppp" + "s" * 41), history
+    assert chooser.decisions == 4
+
+
+def test_a_faster_plain_path_wins_and_ties_go_to_the_plain_path():
+    faster = ModeChooser(warmup=1, settle=0, trial=2, pairs=2, hold=50)
+    assert _drive(faster, lambda mode, _: 1.0 if mode == PLAIN else 1.2, 20)[5:] == "p" * 15
+    tie = ModeChooser(warmup=1, settle=0, trial=2, pairs=2, hold=50, margin=0.01)
+    history = _drive(tie, lambda mode, _: 1.0 if mode == PLAIN else 0.995, 20)
+    # Within the margin: all pairs are tried (no clear winner), then the cheaper plain path.
+    assert history[:9] == "sss" "pp" "ss" "pp" and history[9:] == "p" * 11, history
+
+
+def test_a_retrial_switches_when_the_situation_changed():
+    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6)
+    # The plain path is faster until step 12, then (a slower link) the scheduled one is.
+    history = _drive(chooser, lambda mode, step: (1.0 if step < 12 else 2.0) if mode == PLAIN else 1.5, 40)
+    # Plain held (steps 5-10), re-trial of the schedule (11-12), plain confirmed and held
+    # twice as long (13-24) while it became slower, re-trial (25-26): the schedule wins.
+    assert history[:27] == "sss" "pp" "pppppp" "ss" + "p" * 12 + "ss", history
+    assert history[27:33] == "ssssss" and chooser.mode == SCHEDULED, history
+
+
+def test_followers_run_the_same_modes_from_rank_0_proposals_only():
+    leader, follower = ModeChooser(warmup=2, trial=2, hold=5), ModeChooser(warmup=2, trial=2, hold=5)
+    noisy = [1.0, 1.4, 0.9, 1.2, 1.1, 0.8]
+    _drive(leader, lambda mode, step: noisy[step % 6] * (1.0 if mode == SCHEDULED else 1.05), 80, follower)
+    assert follower.history == leader.history and follower.decisions == leader.decisions > 3
+
+
+def test_stop_fixes_the_scheduled_path_and_continue_is_only_for_trials():
+    chooser = ModeChooser(warmup=1, settle=0, trial=1, pairs=1, hold=2)
+    while not chooser.end_step():
+        pass
+    chooser.adopt(STOP)
+    assert chooser.fixed and chooser.mode == SCHEDULED
+    assert not any(chooser.end_step() for _ in range(50)) and chooser.mode == SCHEDULED
+    held = ModeChooser(warmup=1, settle=0, trial=1, pairs=1, hold=2)
+    while not held.end_step():
+        pass
+    held.adopt(CHOOSE_PLAIN)
+    for _ in range(3):  # hold 2, re-trial 1
+        decision = held.end_step()
+    assert decision
+    with pytest.raises(ValueError, match="CONTINUE"):
+        held.adopt(CONTINUE)
+    held.adopt(CHOOSE_SCHEDULED)
+    assert held.mode == SCHEDULED
+    with pytest.raises(ValueError, match="at least"):
+        ModeChooser(trial=0)
+
+
+# --------------------------------------------------------------------------- the plain path, alone
+
+
+class _Reducer:
+    def __init__(self):
+        self.log = []
+
+    def start(self, items):
+        self.log.append(("start", [key for key, _ in items]))
+        return [key for key, _ in items]
+
+    def wait(self, keys):
+        self.log.append(("wait", keys))
+
+
+def test_buckets_launch_in_order_and_finish_at_the_end_of_backward():
+    reducer = _Reducer()
+    grads = {key: torch.ones(2) for key in range(4)}
+    path = PlainPath([[3], [2, 1], [0]], reducer, grads.get)
+    path.ready(2)
+    path.ready(1)  # bucket 1 complete, but bucket 0 has not gone: nothing yet
+    assert reducer.log == []
+    path.ready(3)
+    assert reducer.log == [("start", [3]), ("start", [2, 1])]
+    assert path.taken(3) and not path.taken(0)
+    path.ready(0)
+    assert path.finished and reducer.log[-3:] == [("wait", [3]), ("wait", [2, 1]), ("wait", [0])]
+    assert path.finish() and not path.taken(3)  # regular; the next iteration starts afresh
+
+
+def test_a_step_with_an_unused_parameter_is_irregular_and_one_without_backward_is_not():
+    reducer = _Reducer()
+    grads = {0: torch.ones(1), 1: None, 2: torch.ones(1)}
+    path = PlainPath(assign_buckets([(2, 4, "f"), (1, 4, "f"), (0, 4, "f")], 0, 0), reducer, grads.get)
+    path.ready(2)
+    assert not path.finish()  # key 1 never came: completed at step(), without it
+    assert ("start", [0]) in reducer.log and all(1 not in keys for _, keys in reducer.log)
+    reducer.log.clear()
+    assert path.finish()  # no backward at all (e.g. Horovod's broadcast_optimizer_state)
+    assert reducer.log == [("start", [2]), ("start", [0]), ("wait", [2]), ("wait", [0])]
+
+
+# --------------------------------------------------------------------------- the switch, on 2 ranks
+
+STEPS = 30
+SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3)
+
+
+def _modes(optimizer):
+    return "".join(mode[0] for mode in optimizer._bytescheduler._switch.chooser.history)
+
+
+def _pair(make_model, make_optimizer, ddp_options=None, **options):
+    import bytescheduler.pytorch as bsp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ours = make_model()
+    torch.manual_seed(0)
+    theirs = DDP(make_model(), **(ddp_options or {}))
+    return ours, bsp.ScheduledOptimizer(ours, make_optimizer(ours.parameters()), **options), theirs, \
+        make_optimizer(theirs.parameters())
+
+
+def _same(ours, theirs):
+    """Parameter and gradient names that are not bit-identical to DDP's."""
+    pairs = list(zip(ours.named_parameters(), theirs.module.named_parameters()))
+    params = [n for (n, a), (_, b) in pairs if not torch.equal(a, b)]
+    grads = [n for (n, a), (_, b) in pairs
+             if (a.grad is None) != (b.grad is None) or (a.grad is not None and not torch.equal(a.grad, b.grad))]
+    return params, grads
+
+
+def _models(rank):
+    from bytescheduler.bench.models import build
+
+    out = {}
+    for name, make in (("cnn-small", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4)),
+                       ("gpt2-small", lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.05))):
+        ours, optimizer, theirs, baseline = _pair(lambda: build(name)[0], make)
+        schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5) for o in (optimizer, baseline)]
+        make_batch = build(name)[1]
+        data = torch.Generator().manual_seed(100 + rank)
+        guard = []
+        for step in range(STEPS):
+            x, y = make_batch(4, data)
+            for model, opt, schedule in zip((ours, theirs), (optimizer, baseline), schedules):
+                opt.zero_grad(set_to_none=step % 2 == 0)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                schedule.step()
+            guard.append((optimizer._bytescheduler.plain, _guard_installed()))
+        optimizer.synchronize()
+        out[name] = dict(same=_same(ours, theirs), modes=_modes(optimizer), guard=guard,
+                         lr=(optimizer.param_groups[0]["lr"], baseline.param_groups[0]["lr"]))
+        optimizer.close()
+    return out
+
+
+def _guard_installed():
+    from bytescheduler.pytorch.read_guard import ReadGuard
+
+    return ReadGuard.installed()
+
+
+def _accumulate_and_clip(rank):
+    """Accumulation over 2 passes against DDP's no_sync, with clipping by global norm."""
+    k = 2
+    mlp = lambda: nn.Sequential(nn.Flatten(), nn.Linear(192, 64), nn.Tanh(), nn.Linear(64, 10))  # noqa: E731
+    ours, optimizer, theirs, baseline = _pair(mlp, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                              backward_passes_per_step=k)
+    data = torch.Generator().manual_seed(rank)
+    norms = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        baseline.zero_grad()
+        batches = [(torch.randn(8, 3, 8, 8, generator=data), torch.randint(0, 10, (8,), generator=data))
+                   for _ in range(k)]
+        for i, (x, y) in enumerate(batches):
+            (F.cross_entropy(ours(x), y) / k).backward()
+            if i < k - 1:
+                with theirs.no_sync():
+                    (F.cross_entropy(theirs(x), y) / k).backward()
+            else:
+                (F.cross_entropy(theirs(x), y) / k).backward()
+        norms.append((nn.utils.clip_grad_norm_(ours.parameters(), 0.5).item(),
+                      nn.utils.clip_grad_norm_(theirs.parameters(), 0.5).item()))
+        optimizer.step()
+        baseline.step()
+    optimizer.synchronize()
+    out = dict(same=_same(ours, theirs), modes=_modes(optimizer), norms=norms)
+    optimizer.close()
+    return out
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(192, 10)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x.flatten(1))
+
+
+def _unused(rank):
+    """A parameter without a gradient: every rank vetoes at the first decision point."""
+    ours, optimizer, theirs, baseline = _pair(_WithUnused, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                              ddp_options=dict(find_unused_parameters=True))
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 3, 8, 8, generator=data), torch.randint(0, 10, (8,), generator=data)
+        for model, opt in ((ours, optimizer), (theirs, baseline)):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    optimizer.synchronize()
+    out = dict(same=_same(ours, theirs), modes=_modes(optimizer),
+               fixed=optimizer._bytescheduler._switch.chooser.fixed)
+    optimizer.close()
+    return out
+
+
+def _second_backward_in_plain_mode(rank):
+    import bytescheduler.pytorch as bsp
+    from bytescheduler.pytorch import adaptive
+
+    adaptive.CHOOSER_OPTIONS.update(warmup=1, settle=0, trial=1, pairs=1, hold=1000)
+    model = nn.Linear(4, 2)
+    optimizer = bsp.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(3, 4)
+    while not optimizer._bytescheduler.plain:  # the plain trial comes at the third step
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    try:
+        model(x).sum().backward()
+        error = "no error"
+    except bsp.GradientError as raised:
+        error = str(raised)
+    optimizer.close(wait=False)
+    return error
+
+
+def _switch_cases(rank, world_size):
+    from bytescheduler.pytorch import adaptive
+
+    adaptive.CHOOSER_OPTIONS.update(SHORT)
+    return dict(models=_models(rank), accumulate=_accumulate_and_clip(rank), unused=_unused(rank),
+                second=_second_backward_in_plain_mode(rank))
+
+
+@pytest.fixture(scope="module")
+def switched():
+    return run_ranks(_switch_cases, 2, deadline=300)
+
+
+def _check_modes(first, second):
+    assert first == second, (first, second)  # every rank ran the same path at every step
+    assert len(first) == STEPS and first.startswith("ssssp"), first
+    assert first.count("sp") + first.count("ps") >= 4, first
+
+
+def test_switching_keeps_ddps_numbers_and_every_rank_runs_the_same_path(switched):
+    for name in ("cnn-small", "gpt2-small"):
+        runs = [out["models"][name] for out in switched]
+        _check_modes(runs[0]["modes"], runs[1]["modes"])
+        for run in runs:
+            assert run["same"] == ([], []), (name, run["same"])
+            assert run["lr"][0] == run["lr"][1] == pytest.approx(2e-3 * 0.5 ** (STEPS // 7) if name == "gpt2-small"
+                                                                 else 0.05 * 0.5 ** (STEPS // 7))
+
+
+def test_the_read_guard_is_off_while_the_plain_path_runs(switched):
+    for out in switched:
+        for name, run in out["models"].items():
+            for plain, installed in run["guard"]:
+                assert installed == (not plain), (name, run["guard"])
+
+
+def test_accumulation_and_clipping_by_global_norm_keep_ddps_numbers_across_switches(switched):
+    runs = [out["accumulate"] for out in switched]
+    _check_modes(runs[0]["modes"], runs[1]["modes"])
+    for run in runs:
+        assert run["same"] == ([], []), run["same"]
+        assert all(a == b for a, b in run["norms"]), run["norms"]
+        assert any(a > 0.5 for a, _ in run["norms"]), "clipping never clipped"
+
+
+def test_a_parameter_without_gradient_keeps_the_scheduled_path_for_good(switched):
+    runs = [out["unused"] for out in switched]
+    for run in runs:
+        assert run["same"] == ([], []), run["same"]
+        assert run["fixed"], run["modes"]
+        # The trials before the first decision point (step 7) ran; then the schedule only.
+        assert run["modes"][7:] == "s" * (STEPS - 7), run["modes"]
+    assert runs[0]["modes"] == runs[1]["modes"]
+
+
+def test_a_second_backward_without_accumulation_is_an_error_in_the_plain_path_too(switched):
+    for out in switched:
+        assert "backward_passes_per_step=k" in out["second"], out["second"]
