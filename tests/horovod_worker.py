@@ -186,9 +186,9 @@ def scenario_idiom() -> None:
 
 def scenario_switch() -> None:
     """The mode switch with short phases: both paths run, switching often, on every rank alike."""
-    from bytescheduler.pytorch import adaptive
+    from bytescheduler.core import modes
 
-    adaptive.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3)
+    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3)
     runs = [
         compare("cnn-small", "sgd", 1, adaptive=True),
         compare("gpt2-small", "adamw", 1, adaptive=True, idiom=True),

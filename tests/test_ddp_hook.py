@@ -42,7 +42,8 @@ def _train_pair(rank, world_size, options, reference, lockstep=False):
 
     ours = DDP(_model(), bucket_cap_mb=0.1)
     theirs = DDP(_model(), bucket_cap_mb=0.1)
-    state = bsp.ScheduledHookState(**options)
+    # The scheduled path at every step, unless a test is about the mode switch.
+    state = bsp.ScheduledHookState(**dict(dict(adaptive=False), **options))
     ours.register_comm_hook(state, bsp.scheduled_allreduce_hook)
     if reference == "allreduce_hook":
         theirs.register_comm_hook(None, default_hooks.allreduce_hook)

@@ -35,15 +35,16 @@ TIMEOUT = 60  # the scheduler's own timeout; all configs share it, so one commun
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # Scheduler settings compared in each case. "exact3": bit-identical on 3 ranks too.
+# Every config keeps the scheduled path (adaptive=False): the mode switch has tests of its own.
 CONFIGS = {
     # Tiny pieces, fused across buckets, small credit and a fast lane: stresses every mechanism.
-    "pieces-merged": dict(partition_bytes=512, credit_bytes=2048, merge=True, fast_lane_bytes=256, exact3=False),
+    "pieces-merged": dict(partition_bytes=512, credit_bytes=2048, merge=True, fast_lane_bytes=256, exact3=False, adaptive=False),
     # One unmerged operation per bucket: the same tensors gloo sees under the reference hook.
-    "whole-buckets": dict(partition_bytes="1GiB", merge=False, fast_lane_bytes=0, exact3=True),
+    "whole-buckets": dict(partition_bytes="1GiB", merge=False, fast_lane_bytes=0, exact3=True, adaptive=False),
     # Library defaults, priorities taken from the model's parameter order.
-    "defaults-model-priority": dict(use_model=True, exact3=False),
+    "defaults-model-priority": dict(use_model=True, exact3=False, adaptive=False),
     # 64 KiB pieces, merged: hundreds of pieces for a 26 MB layer.
-    "64KiB-pieces": dict(partition_bytes="64KiB", merge=True, exact3=False),
+    "64KiB-pieces": dict(partition_bytes="64KiB", merge=True, exact3=False, adaptive=False),
 }
 ALL_CONFIGS = ["pieces-merged", "whole-buckets", "defaults-model-priority"]
 

@@ -258,9 +258,9 @@ def _unused(rank):
 
 def _second_backward_in_plain_mode(rank):
     import bytescheduler.pytorch as bsp
-    from bytescheduler.pytorch import adaptive
+    from bytescheduler.core import modes
 
-    adaptive.CHOOSER_OPTIONS.update(warmup=1, settle=0, trial=1, pairs=1, hold=1000)
+    modes.CHOOSER_OPTIONS.update(warmup=1, settle=0, trial=1, pairs=1, hold=1000)
     model = nn.Linear(4, 2)
     optimizer = bsp.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(3, 4)
@@ -280,9 +280,9 @@ def _second_backward_in_plain_mode(rank):
 
 
 def _switch_cases(rank, world_size):
-    from bytescheduler.pytorch import adaptive
+    from bytescheduler.core import modes
 
-    adaptive.CHOOSER_OPTIONS.update(SHORT)
+    modes.CHOOSER_OPTIONS.update(SHORT)
     return dict(models=_models(rank), accumulate=_accumulate_and_clip(rank), unused=_unused(rank),
                 second=_second_backward_in_plain_mode(rank))
 
@@ -337,3 +337,56 @@ def test_a_parameter_without_gradient_keeps_the_scheduled_path_for_good(switched
 def test_a_second_backward_without_accumulation_is_an_error_in_the_plain_path_too(switched):
     for out in switched:
         assert "backward_passes_per_step=k" in out["second"], out["second"]
+
+
+# --------------------------------------------------------------------------- the DDP hook's switch
+
+
+def _hook_switch(rank, world_size):
+    """The hook with short phases against DDP's own allreduce_hook, bit for bit, 30 iterations."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+    from bytescheduler.bench.models import build
+    from bytescheduler.core import modes
+
+    modes.CHOOSER_OPTIONS.update(SHORT)
+    torch.manual_seed(0)
+    ours = DDP(build("cnn-small")[0], bucket_cap_mb=0.05)
+    torch.manual_seed(0)
+    theirs = DDP(build("cnn-small")[0], bucket_cap_mb=0.05)
+    # Small pieces, so that the scheduled path differs from the plain one in what it sends.
+    state = bsp.ScheduledHookState(partition_bytes="16KiB", credit_bytes="64KiB")
+    ours.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+    theirs.register_comm_hook(None, default_hooks.allreduce_hook)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, theirs)]
+    make_batch = build("cnn-small")[1]
+    data = torch.Generator().manual_seed(rank)
+    plain_iterations, pieces = [], []
+    for _ in range(STEPS):
+        x, y = make_batch(8, data)
+        before = state.scheduler.stats["pieces"]
+        for model, optimizer in zip((ours, theirs), optimizers):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        plain_iterations.append(state.plain)
+        pieces.append(state.scheduler.stats["pieces"] - before)
+    out = dict(same=_same(ours, theirs), modes="".join(m[0] for m in state.driver.chooser.history),
+               plain=plain_iterations, pieces=pieces)
+    state.close()
+    return out
+
+
+def test_the_hook_switches_between_ddps_path_and_the_schedule_with_ddps_numbers():
+    runs = run_ranks(_hook_switch, 2, deadline=180)
+    for run in runs:
+        assert run["same"] == ([], []), run["same"]
+        # The switch sees an iteration end when the next one's first bucket arrives.
+        assert len(run["modes"]) == STEPS - 1
+        for plain, pieces in zip(run["plain"], run["pieces"]):
+            assert (pieces == 0) == plain, (run["plain"], run["pieces"])  # plain: nothing through the scheduler
+    first, second = runs[0]["modes"], runs[1]["modes"]
+    assert first == second and first.startswith("ssssp"), (first, second)
+    assert first.count("sp") + first.count("ps") >= 4, first

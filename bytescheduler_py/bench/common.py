@@ -177,13 +177,19 @@ class System:
     def stats(self) -> dict:
         return {}
 
+    def mode_switch(self) -> Optional[object]:
+        """The adaptive mode switch (anything with a ``chooser``), or None."""
+        return None
+
     def choosing(self) -> bool:
         """True until the adaptive mode switch made its first choice (the same step on every rank)."""
-        return False
+        switch = self.mode_switch()
+        return switch is not None and switch.chooser.decisions == 0
 
     def modes(self) -> str:
         """The mode of every step so far, one letter each (s: scheduled, p: plain), or ''."""
-        return ""
+        switch = self.mode_switch()
+        return "" if switch is None else "".join(mode[0] for mode in switch.chooser.history)
 
     def close(self) -> None:
         pass

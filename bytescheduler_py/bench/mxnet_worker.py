@@ -133,6 +133,9 @@ class ScheduledGluonSystem(GluonSystem):
     def stats(self) -> dict:
         return self.kv.scheduler.stats
 
+    def mode_switch(self):
+        return self.kv.driver
+
     def close(self) -> None:
         self.kv.close()
 
@@ -164,11 +167,14 @@ def main(argv=None) -> int:
     link = 0.0
     if not args.no_link:
         array = mx.nd.zeros((LINK_MEGABYTES * 2**20 // 4,))
-        kv.init(LINK_KEY, array)
+        # Through the unwrapped store, before training: the probe is no training step (a
+        # ScheduledKVStore's mode switch would count each of its pushes as one).
+        store = getattr(kv, "inner", kv)
+        store.init(LINK_KEY, array)
 
         def pushpull() -> None:
-            kv.pushpull(LINK_KEY, array, out=array)
-            system.flush()
+            store.pushpull(LINK_KEY, array, out=array)
+            mx.nd.waitall()
         link = link_rate(pushpull, kv._barrier, kv.num_workers)
     gradient_bytes = sum(p.data().size * np.dtype(p.dtype).itemsize for p in system.params)
     systems = {} if args.link_only else {name: system}

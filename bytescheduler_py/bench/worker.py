@@ -85,13 +85,8 @@ class Scheduled(System):
     def trace(self, active: bool) -> None:
         _record(self.optimizer._bytescheduler.scheduler, active)
 
-    def choosing(self) -> bool:
-        switch = self.optimizer._bytescheduler._switch
-        return switch is not None and switch.chooser.decisions == 0
-
-    def modes(self) -> str:
-        switch = self.optimizer._bytescheduler._switch
-        return "" if switch is None else "".join(mode[0] for mode in switch.chooser.history)
+    def mode_switch(self):
+        return self.optimizer._bytescheduler._switch
 
     def close(self) -> None:
         self.optimizer.close()
@@ -108,6 +103,9 @@ class HookedDDP(System):
 
     def trace(self, active: bool) -> None:
         _record(self.state.scheduler, active)
+
+    def mode_switch(self):
+        return self.state.driver
 
     def close(self) -> None:
         self.state.close()

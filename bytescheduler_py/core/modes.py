@@ -28,7 +28,8 @@ rank 0 proposed (an adapter's one small collective).
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 SCHEDULED = "scheduled"
 PLAIN = "plain"
@@ -39,6 +40,10 @@ CONTINUE, CHOOSE_SCHEDULED, CHOOSE_PLAIN, STOP = 0, 1, 2, 3
 _CHOICE = {SCHEDULED: CHOOSE_SCHEDULED, PLAIN: CHOOSE_PLAIN}
 
 _WARMUP, _TRIAL, _HOLD, _RETRIAL, _FIXED = "warmup", "trial", "hold", "retrial", "fixed"
+
+# ModeChooser's keyword arguments for the chooser of every adapter (:func:`new_chooser`);
+# tests shorten its phases to see many switches in a few steps.
+CHOOSER_OPTIONS: Dict[str, Any] = {}
 
 
 def _other(mode: str) -> str:
@@ -181,5 +186,57 @@ class ModeChooser:
         return SCHEDULED if medians[SCHEDULED] < medians[PLAIN] * (1.0 - self.margin) else PLAIN
 
 
+def new_chooser() -> ModeChooser:
+    """The chooser an adapter's mode switch starts with (:data:`CHOOSER_OPTIONS`)."""
+    return ModeChooser(**CHOOSER_OPTIONS)
+
+
 def _median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
+
+
+class ModeDriver:
+    """Runs a :class:`ModeChooser` at the end of every step of an adapter.
+
+    Rank 0 (``leader``) times the steps with ``clock``; at a decision point every rank calls
+    ``agree(proposal, veto) -> decision``, a collective of the adapter's (rank 0's proposal,
+    or :data:`STOP` if any rank vetoes), and adopts the answer. ``drain()`` is called before
+    that collective and before leaving the scheduled path, so nothing of the scheduled path
+    is in flight when the ranks agree or switch.
+
+    >>> ticks = iter([0.0, 1.0, 1.5, 1.5, 2.0])  # a scheduled step of 1 s, a plain one of 0.5 s
+    >>> driver = ModeDriver(ModeChooser(warmup=1, settle=0, trial=1, pairs=1), leader=True,
+    ...                     agree=lambda proposal, veto: proposal, clock=lambda: next(ticks))
+    >>> [driver.end_step(drain=lambda: None) for _ in range(4)]
+    ['scheduled', 'plain', 'plain', 'plain']
+    """
+
+    def __init__(self, chooser: ModeChooser, leader: bool, agree: Callable[[int, bool], int],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.chooser = chooser
+        self._leader = leader
+        self._agree = agree
+        self._clock = clock
+        self._last: Optional[float] = None
+
+    @property
+    def mode(self) -> str:
+        return self.chooser.mode
+
+    def end_step(self, drain: Callable[[], None], veto: bool = False) -> str:
+        """A step ended on this rank: time it (rank 0), agree at a decision point; the mode of the next step."""
+        old = self.chooser.mode
+        if self._leader:
+            now = self._clock()
+            self.chooser.record(None if self._last is None else now - self._last)
+            self._last = now
+        if self.chooser.end_step():
+            if old == SCHEDULED:
+                drain()
+            proposal = self.chooser.propose() if self._leader else CONTINUE
+            self.chooser.adopt(self._agree(proposal, veto))
+            if self._leader:
+                self._last = self._clock()  # the agreement's wait is no step's time
+        if self.chooser.mode != old and old == SCHEDULED:
+            drain()
+        return self.chooser.mode

@@ -55,7 +55,7 @@ _BURST_SECONDS = 0.001
 _Waits = List[Tuple[Any, bool]]
 
 
-def _wait_to_write(arr: Any) -> None:
+def wait_to_write(arr: Any) -> None:
     """Wait until every operation queued on ``arr`` finished, reads included (a push reads).
 
     MXNet's Python API has only ``wait_to_read``, which does not wait for reads.
@@ -240,7 +240,7 @@ class KVBackend:
             try:
                 for arr, write in arrays:
                     if write:
-                        _wait_to_write(arr)
+                        wait_to_write(arr)
                     else:
                         arr.wait_to_read()
             except BaseException as exc:  # noqa: BLE001
@@ -272,8 +272,6 @@ class JobQueue:
     def run(self, jobs: List[Job], wait: Callable[[Job], bool] = lambda job: True) -> None:
         """Submit every job (after its key's previous operation), then wait until the ones
         ``wait`` names are queued."""
-        if any(job.values and job.info.index == 0 for job in jobs):
-            self._scheduler.step_boundary()  # a push of the first key: a training step begins
         for job in jobs:
             self._enqueue(job)
         for job in jobs:

@@ -36,6 +36,10 @@ _MAX_INT_KEY = (2**31 - 1) // 9973
 # Reserved keys that carry rank 0's ordering address (int or str, as the user's keys).
 ORDER_KEY_INT = _MAX_INT_KEY
 ORDER_KEY_STR = "__bytescheduler_order__"
+# Reserved int keys just below it, one per decision of the mode switch (mxnet/plain.py):
+# a key cannot be initialised twice. Sub-keys stay below them.
+DECISION_KEYS = 16_384
+_SUBKEY_LIMIT = ORDER_KEY_INT - DECISION_KEYS
 
 _NORM_OPTIMIZERS = ("lars", "lamb")
 
@@ -215,11 +219,24 @@ class KeyLayout:
             return [key]
         if isinstance(key, str):
             return [f"{key}#bs{j}" for j in range(count)]
-        if self._next_subkey + count - 1 >= ORDER_KEY_INT:
-            raise ValueError(f"too many server sub-keys (int keys must stay below {_MAX_INT_KEY}); "
+        if self._next_subkey + count - 1 >= _SUBKEY_LIMIT:
+            raise ValueError(f"too many server sub-keys (int keys must stay below {_SUBKEY_LIMIT}); "
                              "raise grain_bytes")
         first, self._next_subkey = self._next_subkey, self._next_subkey + count
         return list(range(first, first + count))
+
+    def decision_key(self, number: int) -> Any:
+        """The reserved key of the mode switch's decision ``number`` (0 to
+        :data:`DECISION_KEYS` - 1 for int keys), of the user's key type."""
+        if self._kind is str:
+            return f"__bytescheduler_mode_{number}__"
+        if not 0 <= number < DECISION_KEYS:
+            raise ValueError(f"decision {number} is beyond the {DECISION_KEYS} reserved keys")
+        return ORDER_KEY_INT - 1 - number
+
+    @property
+    def str_keys(self) -> bool:
+        return self._kind is str
 
     @staticmethod
     def init_args(infos: List[KeyInfo], values: List[Any]) -> Tuple[Any, Any]:

@@ -49,11 +49,13 @@ import mxnet as mx
 
 from ..core.config import SchedulerConfig, Size, parse_bool, parse_size
 from ..core.errors import ByteSchedulerError, ErrorLatch
+from ..core.modes import PLAIN, ModeDriver, new_chooser
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel
 from .backend import Job, JobQueue, KVBackend
 from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_optimizer, key_pairs
 from .overlap import ForwardOverlap
+from .plain import PlainCalls, StepClock, StoreAgreement
 
 __all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "KVSTORE_DEFAULTS"]
 
@@ -62,7 +64,8 @@ log = logging.getLogger("bytescheduler.mxnet")
 # A push+pull holds its credit until the servers heard from every worker, so the parameter
 # server needs a larger credit than an all-reduce to keep the link busy: 64 MiB measured 1.04x
 # of dist_sync at 1 Gbit/s and 1.00x at 2 Gbit/s, against 1.02x and 0.93x with 16 MiB.
-KVSTORE_DEFAULTS = SchedulerConfig(credit_bytes=64 * 1024**2)
+# Rank 0 also times MXNet's own calls against the schedule and runs the faster (plain.py).
+KVSTORE_DEFAULTS = SchedulerConfig(credit_bytes=64 * 1024**2, adaptive=True)
 
 KNOWN_TYPES = frozenset({
     "local", "device", "nccl", "local_update_cpu", "local_allreduce_cpu", "local_allreduce_device",
@@ -111,11 +114,13 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
             ``timeout=``, ``auto_tune=``, ``timeline=``, ...; see
             :class:`~bytescheduler.core.config.SchedulerConfig`); rank 0's count. Unset ones come
-            from the environment or :data:`KVSTORE_DEFAULTS` (a 64 MiB credit). ``merge`` is off
+            from the environment or :data:`KVSTORE_DEFAULTS` (a 64 MiB credit; ``adaptive``: rank 0
+            times steps of MXNet's own calls against scheduled ones and runs the faster, see
+            :mod:`bytescheduler.mxnet.plain`). ``merge`` is off
             and ``merge=True`` is refused. With ``auto_tune``, rank 0 tunes partition (not below
             the grain) and credit online (see :class:`~bytescheduler.core.tuning.AutoTuner`); a
-            step begins at each push of the first key registered (gluon pushes every key once
-            per step).
+            step begins at the push of a key already pushed in the current step (gluon pushes
+            every key once per step; :class:`~bytescheduler.mxnet.plain.StepClock`).
     """
 
     def __init__(self, store: Any = "dist_sync", *, grain_bytes: Optional[Size] = None,
@@ -150,6 +155,13 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._scheduler = Scheduler(self._backend, channel=self._channel, rank=self._rank, config=config,
                                     tuning={"min_partition_bytes": grain})
         self._jobs = JobQueue(self._scheduler, self._rank, config.timeout)
+        self._steps = StepClock()
+        self._plain_calls = PlainCalls(inner)
+        self._plain = False  # this step's calls go straight to the inner store
+        self.driver: Optional[ModeDriver] = None  # the mode switch (None: always scheduled)
+        if config.adaptive and not config.auto_tune and self._num_workers > 1:
+            self.driver = ModeDriver(new_chooser(), self._rank == 0,
+                                     StoreAgreement(inner, self._rank, self._layout))
         # Threads left running at exit would crash MXNet's shutdown: close at exit what is open.
         atexit.register(self.close)
 
@@ -274,43 +286,72 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
     @_passes_through
     def push(self, key, value, priority=0) -> None:
         self._check_usable()
-        jobs = []
+        infos, values = [], []
         for k, v in key_pairs(key, value):
             info = self._layout.info(k)
-            values = as_list(v)
-            info.check(values, "value")
-            jobs.append(Job("push", info, values, [], priority))
+            arrays = as_list(v)
+            info.check(arrays, "value")
+            infos.append(info)
+            values.append(arrays)
         self._send_optimizer()
-        self._run_jobs(jobs)
+        self._begin_step(infos)
+        if self._plain:
+            self._plain_calls.push(infos, values, priority)
+            return
+        self._run_jobs([Job("push", info, arrays, [], priority) for info, arrays in zip(infos, values)])
 
     @_passes_through
     def pull(self, key, out=None, priority=0, ignore_sparse=True) -> None:
         if out is None:
             raise ValueError("pull needs out=")
         self._check_usable()
-        jobs = []
+        infos, outs = [], []
         for k, o in key_pairs(key, out):
             info = self._layout.info(k)
-            outs = as_list(o)
-            info.check(outs, "out")
-            jobs.append(Job("pull", info, [], outs, priority, ignore_sparse))
-        self._run_jobs(jobs)
+            arrays = as_list(o)
+            info.check(arrays, "out")
+            infos.append(info)
+            outs.append(arrays)
+        if self._plain:
+            self._plain_calls.pull(infos, outs, priority, ignore_sparse)
+            return
+        self._run_jobs([Job("pull", info, [], arrays, priority, ignore_sparse) for info, arrays in zip(infos, outs)])
 
     @_passes_through
     def pushpull(self, key, value, out=None, priority=0) -> None:
         self._check_usable()
         pairs = key_pairs(key, value)
-        outs = [o for _, o in key_pairs(key, out)] if out is not None else [None] * len(pairs)
-        jobs = []
-        for (k, v), o in zip(pairs, outs):
+        given = [o for _, o in key_pairs(key, out)] if out is not None else [None] * len(pairs)
+        infos, values, outs = [], [], []
+        for (k, v), o in zip(pairs, given):
             info = self._layout.info(k)
-            values = as_list(v)
-            out_list = values if o is None else as_list(o)
-            info.check(values, "value")
+            arrays = as_list(v)
+            out_list = arrays if o is None else as_list(o)
+            info.check(arrays, "value")
             info.check(out_list, "out")
-            jobs.append(Job("pushpull", info, values, out_list, priority))
+            infos.append(info)
+            values.append(arrays)
+            outs.append(out_list)
         self._send_optimizer()
+        self._begin_step(infos)
+        if self._plain:
+            self._plain_calls.pushpull(infos, values, outs, priority)
+            return
+        jobs = [Job("pushpull", *args, priority) for args in zip(infos, values, outs)]
         self._run_jobs(jobs, lambda job: not self._forward.covered(job.outs, job.values))
+
+    def _begin_step(self, pushed: List[KeyInfo]) -> None:
+        """At a push: when it begins a training step, let the mode switch see the last one end."""
+        if not self._steps.begins(pushed):
+            return
+        if self.driver is not None and self._steps.steps > 1:
+            old = self.driver.mode
+            new = self.driver.end_step(drain=self.synchronize)
+            if new != old and old == PLAIN:
+                self._plain_calls.drain()  # the scheduled path waits for nothing of ours
+            self._plain = new == PLAIN
+        if not self._plain:
+            self._scheduler.step_boundary()
 
     # ------------------------------------------------------------------ optimizer
 
@@ -369,6 +410,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         """Wait until every scheduled operation completed (e.g. before reading the weights)."""
         if not self._scheduled:
             return
+        self._plain_calls.drain()
         for info in self._layout.infos():
             self._jobs.wait_key(info)
         self._scheduler.flush()
@@ -385,6 +427,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         try:
             if wait:
                 try:
+                    self._plain_calls.drain()
                     for info in self._layout.infos():
                         self._jobs.wait_key(info)
                 except BaseException as exc:  # noqa: BLE001

@@ -19,13 +19,10 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from ..core.modes import CONTINUE, PLAIN, SCHEDULED, ModeChooser
+from ..core.modes import PLAIN, ModeDriver, new_chooser
 from .plain import PlainPath, Reducer, assign_buckets
 from .read_guard import ReadGuard
 from .updates import full_optimizer
-
-# ModeChooser's keyword arguments (tests shorten its phases to see many switches).
-CHOOSER_OPTIONS: Dict[str, Any] = {}
 
 # DDP's bucket sizes (torch.distributed's first bucket and bucket_cap_mb's default).
 FIRST_BUCKET_BYTES = 1024**2
@@ -61,13 +58,11 @@ class ModeSwitch:
 
     def __init__(self, setup: PlainSetup, leader: bool, states: Dict[int, Any],
                  prepare: Callable[[Any], Optional[torch.Tensor]], clock: Callable[[], float] = time.perf_counter) -> None:
-        self.chooser = ModeChooser(**CHOOSER_OPTIONS)
+        self.chooser = new_chooser()
+        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock)
         self._setup = setup
         self._states = states
         self._prepare = prepare
-        self._leader = leader
-        self._clock = clock
-        self._last: Optional[float] = None
         self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
 
@@ -98,20 +93,9 @@ class ModeSwitch:
         the engine drains (``synchronize()``), so the two paths never overlap.
         """
         old = self.chooser.mode
-        if self._leader:
-            now = self._clock()
-            self.chooser.record(None if self._last is None else now - self._last)
-            self._last = now
-        if self.chooser.end_step():
-            if old == SCHEDULED:
-                engine.synchronize()
-            proposal = self.chooser.propose() if self._leader else CONTINUE
-            self.chooser.adopt(self._setup.agree(proposal, self.irregular))
-        new = self.chooser.mode
+        new = self._driver.end_step(engine.synchronize, self.irregular)
         if new == old:
             return
-        if old == SCHEDULED:
-            engine.synchronize()
         engine.plain = new == PLAIN
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it

@@ -9,6 +9,11 @@ Each bucket becomes one task: the core partitions it, merges small neighbours, k
 most ``credit_bytes`` in flight and lets a later, higher-priority bucket overtake the
 remaining pieces of an earlier one. The result is the average, as with DDP's default hook
 (each rank divides by the group size, then the pieces are summed).
+
+With ``adaptive`` (the default) rank 0 also times iterations of the plain path, DDP's own
+all-reduce of each whole bucket issued right in the hook, against the scheduled one and
+runs the faster (:class:`~bytescheduler.core.modes.ModeDriver`; ties go to the plain
+path). Both give the same numbers.
 """
 
 
@@ -18,13 +23,16 @@ import torch
 import torch.distributed as dist
 
 from ..core import Scheduler, SchedulerConfig, Task
+from ..core.modes import PLAIN, ModeDriver, new_chooser
+from .plain import torch_agreement
 from .session import TorchSession
 
 # DDP ends an iteration only when every bucket is averaged, so no order within the
 # iteration can shorten it; splitting buckets only adds operations (on loopback the
 # 4 MiB default cost 4% against DDP, whole buckets 2%). The hook keeps buckets whole and
-# in flight at once unless told otherwise; ScheduledOptimizer is where order pays.
-HOOK_DEFAULTS = SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2)
+# in flight at once unless told otherwise; ScheduledOptimizer is where order pays. Even
+# so the scheduler's threads cost CPU, so rank 0 also tries DDP's own path (adaptive).
+HOOK_DEFAULTS = SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2, adaptive=True)
 
 
 class ScheduledHookState:
@@ -50,9 +58,17 @@ class ScheduledHookState:
         config: Optional[SchedulerConfig] = None,
         **options: Any,
     ) -> None:
-        self._session = TorchSession(process_group, SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options))
+        config = SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options)
+        self._session = TorchSession(process_group, config)
         self.scheduler: Optional[Scheduler] = self._session.scheduler
         self.world_size = self._session.world_size
+        self.driver: Optional[ModeDriver] = None  # the mode switch (None: always scheduled)
+        self.plain = False  # this iteration's buckets take DDP's own path
+        self._iterations = 0
+        if self.scheduler is not None and config.adaptive and not config.auto_tune and self.world_size > 1:
+            self._lane = self._session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
+            self.driver = ModeDriver(new_chooser(), self._session.groups.rank == 0,
+                                     torch_agreement(self._lane, self._session.groups.backend))
         self._positions: Optional[Dict[int, int]] = None
         if model is not None:
             self._positions = {id(p): i for i, p in enumerate(model.parameters())}
@@ -64,6 +80,15 @@ class ScheduledHookState:
             if found:
                 return min(found)
         return -bucket.index()
+
+    def begin_iteration(self) -> None:
+        """The first bucket of an iteration arrived: the last iteration ended (every bucket
+        of it averaged, as DDP waits for them); let the mode switch see it."""
+        if self._iterations and self.driver is not None:
+            self.plain = self.driver.end_step(drain=self.scheduler.flush) == PLAIN
+        self._iterations += 1
+        if not self.plain:
+            self.scheduler.step_boundary()
 
     def close(self, wait: bool = True) -> None:
         """Stop the scheduler; every rank of the group calls it.
@@ -90,9 +115,12 @@ def scheduled_allreduce_hook(
     if state.scheduler is None:
         raise RuntimeError("this process is not a member of the hook state's process group")
     if bucket.index() == 0:  # the first bucket of an iteration: a step begins
-        state.scheduler.step_boundary()
+        state.begin_iteration()
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
+    if state.plain:  # what DDP's default hook does
+        work = dist.all_reduce(buffer, group=state._lane, async_op=True)
+        return work.get_future().then(_first_value)
     ready = None
     if buffer.is_cuda:
         ready = torch.cuda.Event()
@@ -117,6 +145,10 @@ def scheduled_allreduce_hook(
     # an error (a Python-side set_exception would reach DDP as a value it cannot cast).
     communicated.add_done_callback(lambda done: outcome.set_result(done.exception() or buffer))
     return outcome.then(_buffer_or_raise)
+
+
+def _first_value(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()[0]
 
 
 def _buffer_or_raise(future: torch.futures.Future) -> torch.Tensor:

@@ -312,7 +312,7 @@ def simulate(profile: Profile, network: Network, ranks: int, system: str,
 def default_config(system: str) -> SchedulerConfig:
     """The settings an adapter uses when the user sets none (kept equal to the adapters' by a test)."""
     if system == "ddp-hook":
-        return SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2)
+        return SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2, adaptive=True)
     # adaptive: the runtime may run the plain (DDP-like) path instead; this engine simulates
     # the scheduled path, and the plain one is the "ddp" system.
     return SchedulerConfig(cycle_ms=2.0, adaptive=True)

@@ -109,6 +109,10 @@ TRAINING = {
     "repartition-local-update": (["--grain", "512", "--repartition", "5:4096", "10:512", "15:2048"], 1),
     # rank 0's tuner changes partition and credit during training
     "auto-tune-server-sgd": (["--update-on-kv", "--overlap", "--grain", "512", "--auto-tune"], 2),
+    # the mode switch with short phases: steps alternate between the schedule and MXNet's own
+    # calls (split keys go as their sub-keys in one call)
+    "adaptive-server-sgd-overlap": (["--update-on-kv", "--overlap", "--adaptive"], 2),
+    "adaptive-local-update-hybrid": (["--overlap", "--hybrid", "--adaptive"], 1),
 }
 
 
@@ -128,6 +132,12 @@ def test_gluon_training_equals_reference(case, reference, tmp_path):
         settings = json.loads(tunings["0"])
         assert len(settings) >= 2 and len({tuple(s) for s in settings}) >= 2, settings
         assert min(p for p, _ in settings) >= 512, "the tuner went below the server grain"
+    if "--adaptive" in options:
+        modes = dict(re.findall(r"MODES rank=(\d) (\w+)", text))
+        assert modes.keys() == {"0", "1"} and modes["0"] == modes["1"], text  # the same path on every worker
+        # 19 steps seen to end: warm-up, scheduled trial, plain trial, then holds and re-trials
+        assert len(modes["0"]) == 19 and modes["0"].startswith("ssssp"), modes
+        assert modes["0"].count("sp") + modes["0"].count("ps") >= 3, modes
     assert_params_equal(tmp_path / "ours", reference["--hybrid" in options])
 
 

@@ -1,7 +1,7 @@
 """gluon MLP training, 20 steps; saves the parameters.
 
     train_mlp.py MODE PREFIX [--update-on-kv] [--overlap] [--hybrid] [--partition BYTES]
-                 [--grain BYTES] [--repartition STEP:BYTES ...] [--auto-tune]
+                 [--grain BYTES] [--repartition STEP:BYTES ...] [--auto-tune] [--adaptive]
 
 MODE:
   plain      a dist_sync worker with kvstore="dist_sync" (unwrapped)
@@ -13,6 +13,9 @@ MODE:
 A worker saves PREFIX-rank{R}.params, the reference PREFIX-reference.params. ``--repartition
 5:4096`` calls ``kv.set_partition_bytes(4096)`` before step 5 (wrapped only). ``--auto-tune``
 lets rank 0's tuner change partition and credit during training; it prints the settings tried.
+``--adaptive`` turns the mode switch on with short phases, so that steps alternate between
+the schedule and MXNet's own calls; it prints the mode of every step (s or p). Without it the
+wrapped store schedules every step.
 """
 
 import argparse
@@ -75,9 +78,11 @@ def reference(args) -> None:
 def worker(args) -> None:
     net = build_net(args.hybrid)
     if args.mode == "wrapped":
+        from bytescheduler.core import modes
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
+        modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3)
         kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, grain_bytes=args.grain,
-                              credit_bytes=4096, timeout=60, auto_tune=args.auto_tune)
+                              credit_bytes=4096, timeout=60, auto_tune=args.auto_tune, adaptive=args.adaptive)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank
@@ -94,7 +99,13 @@ def worker(args) -> None:
         trainer.step(BATCH)
     if args.mode == "wrapped":
         kv.synchronize()
-        assert kv.scheduler.stats["pieces"] > STEPS * 6, kv.scheduler.stats
+        if kv.driver is not None:
+            history = "".join(mode[0] for mode in kv.driver.chooser.history)
+            scheduled = history.count("s") + 1  # the last step ends only at the next push
+            print(f"MODES rank={rank} {history}")
+        else:
+            scheduled = STEPS
+        assert kv.scheduler.stats["pieces"] > scheduled * 6, kv.scheduler.stats
         print(f"STATS rank={rank} {kv.scheduler.stats}")
         tuner = kv.scheduler.tuner
         if tuner is not None:
@@ -122,6 +133,7 @@ def main() -> None:
     parser.add_argument("--grain", type=int, default=None)
     parser.add_argument("--repartition", type=step_bytes, nargs="*", default=[])
     parser.add_argument("--auto-tune", action="store_true")
+    parser.add_argument("--adaptive", action="store_true")
     args = parser.parse_args()
     if args.mode == "reference":
         reference(args)

@@ -1,0 +1,127 @@
+"""The plain path of a ScheduledKVStore: MXNet's own calls, for when scheduling does not pay.
+
+With ``adaptive`` (the default) rank 0 times training steps through the scheduler against
+steps whose calls go straight to the inner store, as an unwrapped ``dist_sync`` store would
+make them, and runs the faster (:class:`~bytescheduler.core.modes.ModeDriver`). On the plain
+path a ``push``, ``pull`` or ``pushpull`` is one call of the inner store from the caller's
+thread, over the same server keys (a partitioned key's sub-keys in one list call), so the
+servers do the same arithmetic either way. Only one path runs at a time: the store drains
+the scheduled path (or waits for the plain path's arrays) before it switches, so no two
+threads ever call the inner store at once.
+
+:class:`PlainCalls` makes the calls; :class:`StepClock` tells where a training step begins;
+:class:`StoreAgreement` carries rank 0's decision to every worker through the store itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Set, Tuple
+
+import mxnet as mx
+
+from ..core.modes import STOP
+from .backend import wait_to_write
+from .keys import DECISION_KEYS, KeyInfo, KeyLayout, flat, mx_args
+
+
+class PlainCalls:
+    """The inner store's own calls over the keys' sub-keys, remembering what to wait for."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._written: List[Any] = []  # arrays pulled into since the last drain
+        self._read: List[Any] = []  # arrays pushed since the last drain
+
+    def push(self, infos: Sequence[KeyInfo], values: Sequence[List[Any]], priority: int) -> None:
+        keys, arrays = _split(infos, values)
+        self._inner.push(*mx_args(keys, arrays), priority=priority)
+        self._read.extend(arr for group in arrays for arr in group)
+
+    def pull(self, infos: Sequence[KeyInfo], outs: Sequence[List[Any]], priority: int, ignore_sparse: bool) -> None:
+        keys, arrays = _split(infos, outs)
+        out_key, out = mx_args(keys, arrays)
+        self._inner.pull(out_key, out=out, priority=priority, ignore_sparse=ignore_sparse)
+        self._written.extend(arr for group in arrays for arr in group)
+
+    def pushpull(self, infos: Sequence[KeyInfo], values: Sequence[List[Any]], outs: Sequence[List[Any]],
+                 priority: int) -> None:
+        keys, pushed = _split(infos, values)
+        _, pulled = _split(infos, outs)
+        self._inner.pushpull(*mx_args(keys, pushed), out=mx_args(keys, pulled)[1], priority=priority)
+        self._read.extend(arr for group in pushed for arr in group)
+        self._written.extend(arr for group in pulled for arr in group)
+
+    def drain(self) -> None:
+        """Wait until every call made so far has finished (before the scheduled path takes over)."""
+        written, self._written = self._written, []
+        read, self._read = self._read, []
+        for arr in written:
+            arr.wait_to_read()
+        for arr in read:
+            wait_to_write(arr)
+
+
+def _split(infos: Sequence[KeyInfo], arrays: Sequence[List[Any]]) -> Tuple[List[Any], List[List[Any]]]:
+    """Server keys and their arrays: a key's own arrays, or views of them per sub-key."""
+    keys: List[Any] = []
+    groups: List[List[Any]] = []
+    for info, group in zip(infos, arrays):
+        if not info.partitioned:
+            keys.append(info.subkeys[0])
+            groups.append(list(group))
+            continue
+        for sub, (start, stop) in zip(info.subkeys, info.grains):
+            keys.append(sub)
+            groups.append([flat(arr, start, stop) for arr in group])
+    return keys, groups
+
+
+class StepClock:
+    """Where a training step begins: at the push of a key already pushed since the last start.
+
+    gluon's Trainer pushes every key once per step, so the second push of any key (the first
+    key of the next step) begins a step; a key pushed over and over (a bandwidth probe) makes
+    each of its pushes a step.
+    """
+
+    def __init__(self) -> None:
+        self._pushed: Set[int] = set()
+        self.steps = 0  # steps begun
+
+    def begins(self, infos: Sequence[KeyInfo]) -> bool:
+        """Record pushes of ``infos``; True when they begin a step (the first step included)."""
+        indices = [info.index for info in infos]
+        begins = not self.steps or any(index in self._pushed for index in indices)
+        if begins:
+            self._pushed = set()
+            self.steps += 1
+        self._pushed.update(indices)
+        return begins
+
+
+class StoreAgreement:
+    """``agree(proposal, veto)`` over the store: rank 0 initialises a fresh reserved key with
+    its proposal (``init`` is collective on a dist store: it waits for every worker) and
+    every worker pulls it. The plain path is MXNet's own, valid whatever each worker does,
+    so workers have nothing to veto; ``veto`` is ignored. Called from the training thread
+    while neither path has calls in flight. After :data:`~bytescheduler.mxnet.keys.DECISION_KEYS`
+    decisions of int keys (millions of steps) the switch stops on the scheduled path."""
+
+    def __init__(self, inner: Any, rank: int, layout: KeyLayout) -> None:
+        self._inner = inner
+        self._rank = rank
+        self._layout = layout
+        self.decisions = 0
+
+    def __call__(self, proposal: int, veto: bool) -> int:
+        if self.decisions >= DECISION_KEYS and not self._layout.str_keys:
+            return STOP
+        key = self._layout.decision_key(self.decisions)
+        self.decisions += 1
+        self._inner.init(key, mx.nd.array([proposal if self._rank == 0 else 0], dtype="float32"))
+        out = mx.nd.zeros((1,), dtype="float32")
+        self._inner.pull(key, out=out)
+        decided = int(out.asnumpy()[0])
+        if not 0 <= decided <= STOP:
+            raise ValueError(f"rank {self._rank}: the mode switch read decision {decided} from the store")
+        return decided
