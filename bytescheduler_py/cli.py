@@ -1,6 +1,7 @@
 """The ``bytescheduler`` command.
 
     bytescheduler demo         2 local ranks: DDP with and without the scheduled hook
+    bytescheduler bench-summary  one table of every scheduled system from many bench runs
     bytescheduler microbench   scheduling cost per piece with a no-op backend
     bytescheduler simulate     predicted seconds per iteration on any number of ranks and link rate
     bytescheduler mxnet-launch an MXNet parameter-server job on 127.0.0.1 (-n 2 -s 1 -- python train.py)
@@ -15,6 +16,7 @@ from typing import List, Optional
 COMMANDS = {
     "demo": "2 local ranks on 127.0.0.1: DDP default vs DDP + scheduled hook",
     "bench": "measure every system on a (bandwidth-limited) 2-rank testbed",
+    "bench-summary": "one table of every scheduled system's speedup from many bench runs",
     "microbench": "scheduling cost per piece with a backend that does nothing",
     "simulate": "predict each system's time per iteration for any ranks and link rate",
     "mxnet-launch": "run an MXNet parameter-server job (scheduler, servers, workers) on 127.0.0.1",
@@ -35,6 +37,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench.demo import main as run
     elif command == "bench":
         from .bench.runner import main as run
+    elif command == "bench-summary":
+        from .bench.summary import main as run
     elif command == "microbench":
         from .bench.microbench import main as run
     elif command == "simulate":

@@ -22,6 +22,13 @@ Scenarios:
 - ``dies``: rank 1 exits at step 3; rank 0 reports what it saw (if it lives to say it).
 - ``bad``: unsupported ``hvd.DistributedOptimizer`` settings raise a clear ValueError, and
   wrapping an already scheduled optimizer again raises TypeError.
+- ``settings``: rank 1 alone sets bytescheduler's environment variables; both ranks run
+  with rank 0's shared settings (rank 1 warns) and the numbers stay Horovod's.
+- ``many``: run on 3 to 8 ranks; each step's averaged gradients against Horovod's from the
+  same parameters (within 1e-6), with random pauses on every rank and the last rank joining
+  late, on small pieces and with the mode switch alternating paths.
+- ``layout``: the ranks' models differ (a shape, then the number of parameters); both
+  ranks raise ``LayoutMismatch`` naming the parameter.
 """
 
 import argparse
@@ -332,6 +339,16 @@ def scenario_bad() -> None:
             errors[case] = {"type": type(error).__name__, "message": str(error)}
         else:
             errors[case] = None
+    # Sparse gradients: refused at construction on every rank (no abort at exit).
+    from bytescheduler.pytorch import GradientError
+
+    embedding = torch.nn.Sequential(torch.nn.EmbeddingBag(50, 4, sparse=True), torch.nn.Linear(4, 2))
+    try:
+        bsc.ScheduledOptimizer(embedding, torch.optim.SGD(embedding.parameters(), lr=0.1), 10)
+    except GradientError as error:
+        errors["sparse"] = {"type": type(error).__name__, "message": str(error)}
+    else:
+        errors["sparse"] = None
     # Wrapping twice would register a second set of hooks: every update applied twice.
     model, _ = fresh_model("tiny")
     once = bsc.ScheduledOptimizer(
@@ -349,6 +366,110 @@ def scenario_bad() -> None:
     report(scenario="bad", errors=errors)
 
 
+# What rank 1 alone sets in the settings scenario.
+ONE_RANK = {"BYTESCHEDULER_TIMEOUT": "45", "BYTESCHEDULER_PARTITION": "8KiB", "BYTESCHEDULER_CREDIT": "32KiB",
+            "BYTESCHEDULER_FAST_LANE": "0", "BYTESCHEDULER_CYCLE_TIME": "7", "BYTESCHEDULER_TUNING": "1",
+            "BYTESCHEDULER_ADAPTIVE": "0"}
+
+
+def scenario_settings() -> None:
+    import logging
+
+    if hvd.rank() == 1:
+        os.environ.update(ONE_RANK)
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("bytescheduler").addHandler(handler)
+    baseline_model, make_batch = fresh_model("cnn-small")
+    scheduled_model, _ = fresh_model("cnn-small")
+    baseline = hvd.DistributedOptimizer(make_optimizer("sgd", baseline_model),
+                                        named_parameters=baseline_model.named_parameters())
+    hvd.broadcast_parameters(baseline_model.state_dict(), root_rank=0)
+    scheduled = bsc.ScheduledOptimizer(scheduled_model, hvd.DistributedOptimizer(
+        make_optimizer("sgd", scheduled_model), named_parameters=scheduled_model.named_parameters()))
+    config = scheduled._bytescheduler.scheduler.config
+    for step in range(12):
+        x, y = batch(make_batch, step)
+        for model, optimizer in ((baseline_model, baseline), (scheduled_model, scheduled)):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    scheduled.synchronize()
+    report(scenario="settings", max_abs_diff=max_difference(baseline_model, scheduled_model),
+           config={field: getattr(config, field) for field in ("timeout", "partition_bytes", "credit_bytes",
+                                                               "fast_lane_bytes", "cycle_ms", "auto_tune",
+                                                               "adaptive")},
+           warnings=[w for w in warnings if "rank 0's" in w])
+    scheduled.close()
+
+
+def _lockstep(options) -> dict:
+    """Ours and Horovod side by side; after each step Horovod's model is reset to ours."""
+    import random
+
+    jitter = random.Random(1000 + hvd.rank())
+    theirs, make_batch = fresh_model("cnn-small")
+    ours, _ = fresh_model("cnn-small")
+    baseline = hvd.DistributedOptimizer(torch.optim.SGD(theirs.parameters(), lr=0.05),
+                                        named_parameters=theirs.named_parameters())
+    hvd.broadcast_parameters(theirs.state_dict(), root_rank=0)
+    optimizer = bsc.ScheduledOptimizer(ours, hvd.DistributedOptimizer(
+        torch.optim.SGD(ours.parameters(), lr=0.05), named_parameters=ours.named_parameters()), **options)
+    worst = 0.0
+    for step in range(12):
+        x, y = batch(make_batch, step)
+        optimizer.zero_grad()
+        time.sleep(jitter.uniform(0.0, 0.02))
+        F.cross_entropy(ours(x), y).backward()
+        optimizer.synchronize()
+        grads = [p.grad.clone() for p in ours.parameters()]
+        time.sleep(jitter.uniform(0.0, 0.02))
+        optimizer.step()
+        baseline.zero_grad()
+        F.cross_entropy(theirs(x), y).backward()
+        baseline.synchronize()
+        for mine, reference in zip(grads, theirs.parameters()):
+            worst = max(worst, ((mine - reference.grad).norm() / reference.grad.norm().clamp_min(1e-30)).item())
+        baseline.zero_grad()  # its step would apply the gradient again: ours is the model
+        optimizer.synchronize()
+        with torch.no_grad():
+            for reference, mine in zip(theirs.parameters(), ours.parameters()):
+                reference.copy_(mine)
+    checksum = float(sum(p.double().sum() for p in ours.parameters()))
+    optimizer.close()
+    return {"worst": worst, "checksum": checksum}
+
+
+def scenario_many() -> None:
+    from bytescheduler.core import modes
+
+    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3)
+    if hvd.rank() == hvd.size() - 1:
+        time.sleep(3.0)  # joins late: the others wait in the start-up agreement
+    report(scenario="many", pieces=_lockstep(dict(partition_bytes="4KiB", credit_bytes="16KiB", adaptive=False)),
+           switching=_lockstep({}))
+
+
+def scenario_layout() -> None:
+    from bytescheduler.core.agreement import LayoutMismatch
+
+    messages = {}
+    for case in ("shape", "count"):
+        width = 3 if case == "shape" and hvd.rank() == 1 else 2
+        layers = [torch.nn.Linear(4, 8), torch.nn.Linear(8, width)]
+        if case == "count" and hvd.rank() == 1:
+            layers.append(torch.nn.Linear(2, 2))
+        model = torch.nn.Sequential(*layers)
+        try:
+            bsc.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        except LayoutMismatch as error:
+            messages[case] = str(error)
+        else:
+            messages[case] = "no error"
+    report(scenario="layout", messages=messages)
+
+
 SCENARIOS = {
     "equal": scenario_equal,
     "accumulate": scenario_accumulate,
@@ -360,6 +481,9 @@ SCENARIOS = {
     "switch": scenario_switch,
     "dies": scenario_dies,
     "bad": scenario_bad,
+    "settings": scenario_settings,
+    "layout": scenario_layout,
+    "many": scenario_many,
 }
 
 

@@ -90,9 +90,9 @@ def _communicate(process: subprocess.Popen, timeout: float, what: str) -> Tuple[
                     f"stdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}")
 
 
-def horovodrun(scenario: str, timeout: float = TIMEOUT) -> Tuple[int, str, str, float]:
-    """Run the worker's ``scenario`` on 2 ranks; return (exit code, stdout, stderr, seconds)."""
-    command = [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER, scenario]
+def horovodrun(scenario: str, timeout: float = TIMEOUT, ranks: int = 2) -> Tuple[int, str, str, float]:
+    """Run the worker's ``scenario`` on ``ranks`` ranks; return (exit code, stdout, stderr, seconds)."""
+    command = [HOROVODRUN, "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo", sys.executable, WORKER, scenario]
     started = time.monotonic()
     process = subprocess.Popen(
         command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -251,6 +251,13 @@ def test_unsupported_settings_raise_clear_value_errors():
             assert word in error["message"].lower(), (rank, case, error)
 
 
+def test_sparse_gradients_are_refused_at_construction_with_the_fix():
+    for rank, result in _bad().items():
+        error = result["errors"]["sparse"]
+        assert error is not None and error["type"] == "GradientError", (rank, error)
+        assert "['0.weight']" in error["message"] and "sparse=False" in error["message"], (rank, error)
+
+
 def test_wrapping_a_scheduled_optimizer_again_raises():
     """Like bytescheduler.pytorch.ScheduledOptimizer, which raises TypeError("... already wrapped ...")."""
     for rank, result in _bad().items():
@@ -340,3 +347,40 @@ def _launch_without_kill_all(scenario: str, timeout: float = TIMEOUT) -> Tuple[L
             if process.poll() is None:
                 _kill(process)
         server.stop()
+
+
+def test_settings_on_one_rank_only_come_from_rank_0_and_the_numbers_stay_horovods():
+    found = run_ok("settings")
+    assert found[0]["config"] == found[1]["config"], found
+    assert found[1]["config"]["timeout"] == 300.0 and not found[1]["config"]["auto_tune"], found
+    for rank in (0, 1):
+        assert found[rank]["max_abs_diff"] == 0.0, found[rank]
+    text = "\n".join(found[1]["warnings"])
+    for variable in ("BYTESCHEDULER_TIMEOUT", "BYTESCHEDULER_PARTITION", "BYTESCHEDULER_TUNING",
+                     "BYTESCHEDULER_ADAPTIVE", "BYTESCHEDULER_CYCLE_TIME"):
+        assert variable in text, text
+    assert not found[0]["warnings"], found[0]
+
+
+def test_a_model_that_differs_is_refused_on_every_rank_naming_the_parameter():
+    found = run_ok("layout")
+    for rank in (0, 1):
+        messages = found[rank]["messages"]
+        assert "'1.weight' of shape (2, 8), float32 on rank 0 but '1.weight' of shape (3, 8), float32 on rank 1" \
+            in messages["shape"], messages
+        assert "rank 0 has 4 parameters, rank 1 has 6; rank 1 has '2.weight'" in messages["count"], messages
+
+
+@pytest.mark.parametrize("ranks", [3, 4, 8])
+def test_many_ranks_of_different_speeds_one_joining_late_average_as_horovod(ranks):
+    """Each step's averaged gradients within 1e-6 of Horovod's, from the same parameters
+    (beyond 2 ranks the sum order depends on the operation boundaries), and every rank
+    holds the same model; rank N-1 joins seconds late and every rank pauses at random."""
+    code, stdout, stderr, _ = horovodrun("many", timeout=300, ranks=ranks)
+    assert code == 0, f"exit code {code}\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}"
+    found = results(stdout)
+    assert sorted(found) == list(range(ranks)), stdout[-4000:]
+    for config in ("pieces", "switching"):
+        assert len({found[rank][config]["checksum"] for rank in found}) == 1, found
+        for rank in found:
+            assert found[rank][config]["worst"] <= 1e-6, (config, rank, found[rank][config])

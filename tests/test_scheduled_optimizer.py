@@ -161,14 +161,17 @@ class _Frozen(nn.Module):
         return self.head(torch.tanh(self.frozen(torch.tanh(self.stem(x.flatten(1))))))
 
 
-class _SparseEmbedding(nn.Module):
+class _UndeclaredSparse(nn.Module):
+    """A sparse gradient that no module declares: F.embedding(..., sparse=True) on a bare
+    parameter (nn.Embedding(sparse=True) is supported: tests/test_sparse_gradients.py)."""
+
     def __init__(self):
         super().__init__()
-        self.embedding = nn.Embedding(100, 16, sparse=True)
+        self.table = nn.Parameter(torch.randn(100, 16))
         self.head = nn.Linear(16, 10)
 
     def forward(self, tokens):
-        return self.head(self.embedding(tokens).mean(1))
+        return self.head(F.embedding(tokens, self.table, sparse=True).mean(1))
 
 
 # --------------------------------------------------------------------------- grouped runs
@@ -821,7 +824,7 @@ def _misuse(rank, world_size):
     attempt("wrap_twice", lambda: bsp.ScheduledOptimizer(model, optimizer))
     optimizer.close()
 
-    sparse = _seeded(_SparseEmbedding)
+    sparse = _seeded(_UndeclaredSparse)
     sparse_optimizer = bsp.ScheduledOptimizer(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1), **SMALL)
     tokens = torch.randint(0, 100, (4, 5), generator=torch.Generator().manual_seed(rank))
     attempt("sparse", lambda: F.cross_entropy(sparse(tokens), y[:4]).backward())
@@ -841,7 +844,7 @@ def test_misuse_gives_clear_errors(small_models):
         name, message = out["wrap_twice"]
         assert name == "TypeError" and "already wrapped" in message, out["wrap_twice"]
         name, message = out["sparse"]
-        assert out["sparse_is_gradient_error"] and "sparse" in message, out["sparse"]
+        assert out["sparse_is_gradient_error"] and "'table'" in message and "declare" in message, out["sparse"]
         assert out["threads"] == []
 
 

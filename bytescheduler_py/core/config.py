@@ -241,6 +241,10 @@ _ENVIRONMENT = {
 }
 
 
+# field -> its environment variable, for messages.
+ENVIRONMENT_OF = {field: name for name, field in _ENVIRONMENT.items()}
+
+
 def _parse_options(overrides: Mapping[str, Any]) -> dict:
     unknown = set(overrides) - set(_PARSERS)
     if unknown:

@@ -188,6 +188,12 @@ class Scheduler:
         """Raise the error of a failed communication operation, if any."""
         self._latch.raise_if_set()
 
+    def set_timeout(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for an operation or a peer from now on (e.g. rank 0's
+        timeout, learned after start-up by an adapter that agrees on settings late)."""
+        with self._cond:
+            self.config = self.config.with_options(timeout=seconds)
+
     @property
     def state(self) -> State:
         return self._state

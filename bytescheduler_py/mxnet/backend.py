@@ -31,6 +31,7 @@ until it completed; that includes waiting for the key's previous operation.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
@@ -40,12 +41,17 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import mxnet as mx
 
+from ..core.agreement import FROM_RANK_0
 from ..core.backend import Done
+from ..core.config import SchedulerConfig
 from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationTimeout, ErrorLatch, reraise
 from ..core.scheduler import Scheduler
 from ..core.task import Operation
 from ..core.tcp_channel import TcpOrderChannel, local_address
 from .keys import KeyInfo, flat, mx_args
+
+# Room for rank 0's settings (JSON) in the exchange of its ordering address.
+_SETTINGS_BYTES = 1024
 
 # How long the ready thread gathers a burst of pushes before choosing which to wait for first.
 _BURST_SECONDS = 0.001
@@ -158,7 +164,7 @@ class KVBackend:
         self._inner = inner
         self._rank = rank
         self._num_workers = num_workers
-        self._timeout = timeout
+        self.timeout = timeout
         self._kv = _KVThread(f"bytescheduler-kv-r{rank}")
         self._waits: "queue.Queue[Optional[Tuple[_Waits, Done]]]" = queue.Queue()
         self._waiter = threading.Thread(target=self._run_waiter, name=f"bytescheduler-wait-r{rank}", daemon=True)
@@ -166,24 +172,27 @@ class KVBackend:
 
     def call(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` on the kv thread and return its result (``what`` names it in a timeout)."""
-        return self._kv.call(fn, self._timeout, what)
+        return self._kv.call(fn, self.timeout, what)
 
-    def connect_channel(self, channel: TcpOrderChannel, key: Any) -> None:
-        """Connect every worker to rank 0's ordering channel (collective: the first init/broadcast).
+    def connect_channel(self, channel: TcpOrderChannel, key: Any, settings: SchedulerConfig) -> SchedulerConfig:
+        """Connect every worker to rank 0's ordering channel (collective: the first init/broadcast)
+        and return rank 0's ``settings``.
 
-        Rank 0's address goes through the store itself, under the reserved ``key``.
+        Rank 0's address and its settings (as JSON, a byte per float32) go through the store
+        itself, under the reserved ``key``: only rank 0's ``init`` value is kept.
         """
-        if channel.connected:
-            return
-        words = [0] * 5
+        words = [0.0] * (6 + _SETTINGS_BYTES)
         if self._rank == 0:
             port = channel.serve(self._num_workers)
             host = local_address(os.environ.get("DMLC_PS_ROOT_URI"))
-            words = [int(part) for part in host.split(".")] + [port]
+            encoded = json.dumps({field: getattr(settings, field) for field in FROM_RANK_0}).encode()
+            if len(encoded) > _SETTINGS_BYTES:
+                raise ValueError(f"rank 0's settings take {len(encoded)} bytes, more than {_SETTINGS_BYTES}")
+            words[:6 + len(encoded)] = [int(part) for part in host.split(".")] + [port, len(encoded)] + list(encoded)
 
         def exchange() -> List[int]:
             self._inner.init(key, mx.nd.array(words, dtype="float32"))
-            found = mx.nd.zeros((5,), dtype="float32")
+            found = mx.nd.zeros((len(words),), dtype="float32")
             self._inner.pull(key, out=found)
             return [int(x) for x in found.asnumpy()]
 
@@ -192,6 +201,8 @@ class KVBackend:
             channel.accept()
         else:
             channel.join((".".join(str(x) for x in found[:4]), found[4]))
+        leader = json.loads(bytes(found[6:6 + found[5]]).decode())
+        return settings.with_options(**leader)
 
     def launch(self, op: Operation, done: Done) -> None:
         try:
@@ -263,7 +274,7 @@ class JobQueue:
     def __init__(self, scheduler: Scheduler, rank: int, timeout: float) -> None:
         self._scheduler = scheduler
         self._rank = rank
-        self._timeout = timeout
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._ready: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run_ready, name=f"bytescheduler-ready-r{rank}", daemon=True)
@@ -280,11 +291,11 @@ class JobQueue:
 
     def wait_queued(self, job: Job) -> None:
         """Wait until every piece of ``job`` is queued on the kv thread; raise its error."""
-        if not job.queued.wait(self._timeout):
+        if not job.queued.wait(self.timeout):
             self._scheduler.check()
             raise CommunicationTimeout(
                 f"rank {self._rank}: the {job.kind} of key {job.info.key!r} could not start within "
-                f"{self._timeout} s (it waits for the key's previous operation, which needs every "
+                f"{self.timeout} s (it waits for the key's previous operation, which needs every "
                 "worker); a peer may have died or stopped training")
         job.latch.raise_if_set()
 
@@ -295,10 +306,10 @@ class JobQueue:
             return
         self.wait_queued(job)
         try:
-            error = job.task.future.exception(self._timeout)
+            error = job.task.future.exception(self.timeout)
         except TimeoutError:
             raise CommunicationTimeout(
-                f"rank {self._rank}: key {info.key!r} not communicated within {self._timeout} s; "
+                f"rank {self._rank}: key {info.key!r} not communicated within {self.timeout} s; "
                 "a peer may have died") from None
         if error is not None:
             reraise(error)

@@ -47,6 +47,7 @@ from typing import Any, Callable, List, Optional
 
 import mxnet as mx
 
+from ..core.agreement import from_rank_0
 from ..core.config import SchedulerConfig, Size, parse_bool, parse_size
 from ..core.errors import ByteSchedulerError, ErrorLatch
 from ..core.modes import PLAIN, ModeDriver, new_chooser
@@ -158,10 +159,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._steps = StepClock()
         self._plain_calls = PlainCalls(inner)
         self._plain = False  # this step's calls go straight to the inner store
-        self.driver: Optional[ModeDriver] = None  # the mode switch (None: always scheduled)
-        if config.adaptive and not config.auto_tune and self._num_workers > 1:
-            self.driver = ModeDriver(new_chooser(), self._rank == 0,
-                                     StoreAgreement(inner, self._rank, self._layout))
+        self._config = config  # rank 0's shared settings once the first init connected the workers
+        self.driver: Optional[ModeDriver] = self._new_driver(config)  # the mode switch (None: always scheduled)
         # Threads left running at exit would crash MXNet's shutdown: close at exit what is open.
         atexit.register(self.close)
 
@@ -248,8 +247,9 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
     def _create_keys(self, pairs: List[Any], what: str) -> List[KeyInfo]:
         """Register the keys, connect the order channel and create the sub-keys (collective)."""
         infos = self._layout.register(pairs, self._optimizer if self._optimizer_sent else None)
-        if self._channel is not None:
-            self._backend.connect_channel(self._channel, self._layout.order_key)
+        if self._channel is not None and not self._channel.connected:
+            leader = self._backend.connect_channel(self._channel, self._layout.order_key, self._config)
+            self._adopt(leader)
         values = [value for _, value in pairs]
         self._call(lambda: self._inner.init(*self._layout.init_args(infos, values)), what)
         if self._optimizer_sent and any(i.partitioned for i in self._layout.infos()):
@@ -258,6 +258,24 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             self._optimizer_sent = False
             self._send_optimizer()
         return infos
+
+    def _adopt(self, leader: SchedulerConfig) -> None:
+        """Run with rank 0's shared settings (core/agreement.py), learned at the first init."""
+        agreed, notes = from_rank_0(self._config, leader, self._rank)
+        for note in notes:
+            log.warning(note)
+        self._config = agreed
+        if agreed.timeout != self._backend.timeout:
+            self._backend.timeout = self._jobs.timeout = agreed.timeout
+            self._scheduler.set_timeout(agreed.timeout)
+        if self._rank != 0:  # only rank 0 decides pieces; its sizes are the ones that count
+            self._scheduler.reconfigure(agreed.partition_bytes, agreed.credit_bytes)
+        self.driver = self._new_driver(agreed)
+
+    def _new_driver(self, config: SchedulerConfig) -> Optional[ModeDriver]:
+        if config.adaptive and not config.auto_tune and self._num_workers > 1:
+            return ModeDriver(new_chooser(), self._rank == 0, StoreAgreement(self._inner, self._rank, self._layout))
+        return None
 
     def _run_jobs(self, jobs: List[Job], wait: Callable[[Job], bool] = lambda job: True) -> None:
         self._forward.record(jobs)

@@ -70,7 +70,7 @@ class ModeSwitch:
         """Lay the buckets out again over every parameter (after ``add_param_group``).
 
         DDP's layout: reverse forward order, cut by size and by dtype and device."""
-        ordered = sorted(self._states.values(), key=lambda s: (s.priority, s.key))
+        ordered = sorted((s for s in self._states.values() if not s.sparse), key=lambda s: (s.priority, s.key))
         by_key = {state.key: state for state in ordered}
         members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
                    for s in reversed(ordered)]
@@ -81,6 +81,7 @@ class ModeSwitch:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
         if not self.path.finish():
             self.irregular = True
+        engine.average_sparse(apply=False)  # the full step below updates those parameters too
         with engine._cond:
             engine._steps_called += 1
         full_optimizer(engine._optimizer, engine._base).step()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..core import Scheduler, SchedulerConfig, Task
 from ..core.modes import PLAIN, ModeDriver, new_chooser
 from .plain import torch_agreement
+from .layout import param_layout
 from .session import TorchSession
 
 # DDP ends an iteration only when every bucket is averaged, so no order within the
@@ -58,10 +59,12 @@ class ScheduledHookState:
         config: Optional[SchedulerConfig] = None,
         **options: Any,
     ) -> None:
-        config = SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options)
-        self._session = TorchSession(process_group, config)
+        self._session = TorchSession(process_group, SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options),
+                                     layout=None if model is None else param_layout(model))
+        config = self._session.config  # rank 0's shared settings
         self.scheduler: Optional[Scheduler] = self._session.scheduler
         self.world_size = self._session.world_size
+        self.sparse_group = self._session.groups.sparse if self._session.groups is not None else None
         self.driver: Optional[ModeDriver] = None  # the mode switch (None: always scheduled)
         self.plain = False  # this iteration's buckets take DDP's own path
         self._iterations = 0
@@ -118,8 +121,11 @@ def scheduled_allreduce_hook(
         state.begin_iteration()
     buffer = bucket.buffer()
     buffer.div_(state.world_size)
-    if state.plain:  # what DDP's default hook does
-        work = dist.all_reduce(buffer, group=state._lane, async_op=True)
+    if buffer.is_sparse or state.plain:  # what DDP's default hook does
+        # A sparse bucket (nn.Embedding(sparse=True)) cannot be cut into pieces: it goes on a
+        # gloo group of its own, in DDP's bucket order, the same on every rank.
+        group = state.sparse_group if buffer.is_sparse else state._lane
+        work = dist.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(_first_value)
     ready = None
     if buffer.is_cuda:

@@ -2,8 +2,8 @@
 
 For each set of ranks, :class:`ProcessGroups` holds two lanes (process groups of the
 user's backend: gloo runs the operations of one group first in, first out, so a small
-urgent piece must not queue behind large ones), a gloo control group, and rank 0's order
-channel over them (:mod:`bytescheduler.pytorch.order`). Creating process groups is
+urgent piece must not queue behind large ones), a gloo control group, a gloo group for
+sparse gradients, and rank 0's order channel over them (:mod:`bytescheduler.pytorch.order`). Creating process groups is
 collective, so they are made once and claimed by one scheduler at a time
 (:meth:`ProcessGroups.claim`); :meth:`ProcessGroups.release` returns them. Our operations
 never share a group with the user's own collectives, so the order of the user's calls is
@@ -23,6 +23,15 @@ from .keeper import Keeper
 from .order import GlooOrderChannel, OrderChannel, connect_order_channel
 
 NUM_LANES = 2
+
+
+def require_initialized() -> None:
+    """Raise a clear error unless torch.distributed is initialized."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "before creating a bytescheduler hook or optimizer"
+        )
 
 
 class ProcessGroups:
@@ -51,11 +60,7 @@ class ProcessGroups:
         are created only when every earlier set for the same ranks is still claimed (two
         schedulers on the same groups could issue in different orders on different ranks).
         """
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group() "
-                "before creating a bytescheduler hook or optimizer"
-            )
+        require_initialized()
         world = dist.group.WORLD
         group = world if process_group is None else process_group
         mine = None
@@ -101,6 +106,9 @@ class ProcessGroups:
         span = timedelta(seconds=timeout)
         self.lanes = [dist.new_group(ranks, timeout=span, backend=backend) for _ in range(NUM_LANES)]
         self.control = dist.new_group(ranks, timeout=span, backend="gloo")
+        # Sparse gradients, all-reduced outside the scheduler in the adapters' own order (gloo
+        # sums sparse tensors; NCCL cannot).
+        self.sparse = dist.new_group(ranks, timeout=span, backend="gloo")
         self.keeper = Keeper()
         self.claimed = False
         self.broken = False

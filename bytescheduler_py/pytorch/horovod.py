@@ -32,6 +32,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core import Scheduler, SchedulerConfig
+from ..core.agreement import agree
 from ..core.backend import Done
 from ..core.config import parse_bool
 from ..core.errors import CommunicationTimeout
@@ -42,6 +43,7 @@ from ..core.task import Operation
 from .adaptive import PlainSetup
 from .optimizer import wrap_optimizer
 from .order import frame_tensors
+from .layout import param_layout
 from .overlap import OverlapEngine
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
@@ -309,6 +311,9 @@ def ScheduledOptimizer(
         raise TypeError("this optimizer is already wrapped by bytescheduler")
     init()
     config = SchedulerConfig.build(config, defaults=HOROVOD_DEFAULTS, **options).with_options(merge=False)
+    if hvd.size() > 1:  # rank 0's shared settings, on the same model (core/agreement.py)
+        everyone = hvd.allgather_object((config, param_layout(model)), name="bytescheduler.settings")
+        config = agree(config, everyone, hvd.rank())
     base, passes = _unwrap(optimizer)
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -28,7 +28,9 @@ from ..core import SchedulerConfig
 from .adaptive import PlainSetup
 from .overlap import OverlapEngine
 from .plain import FlatReducer, torch_agreement
+from .layout import param_layout
 from .session import TorchSession
+from .sparse import gloo_all_reduce
 
 # A layer's gradients arrive milliseconds apart in backward; on a fast link each would go
 # out alone, and an operation's fixed cost (Python, gloo's threads, the order message)
@@ -149,9 +151,10 @@ def ScheduledOptimizer(
         if broadcast_parameters:
             _broadcast_from_first(model, process_group, groups.ranks[0])
 
-    session = TorchSession(process_group, config, prepare)
+    session = TorchSession(process_group, config, prepare, layout=param_layout(model))
     if session.scheduler is None:
         raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
+    config = session.config  # rank 0's shared settings
 
     plain = None
     if config.adaptive and not config.auto_tune and session.world_size > 1:
@@ -162,7 +165,7 @@ def ScheduledOptimizer(
         return OverlapEngine(
             model, optimizer, base, session.scheduler, session.world_size, prescale=True,
             backward_passes_per_step=backward_passes_per_step, timeout=config.timeout,
-            on_close=session.release, plain=plain,
+            on_close=session.release, plain=plain, sparse=gloo_all_reduce(session.groups.sparse),
         )
 
     try:

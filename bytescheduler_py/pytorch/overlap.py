@@ -33,7 +33,8 @@ from ..core.log import logger
 from .adaptive import ModeSwitch, PlainSetup
 from .heap import raise_malloc_thresholds
 from .read_guard import ReadGuard, suspended
-from .updates import Updater, sub_optimizer, zero_gradient
+from .sparse import Average, average_sparse, sparse_ids
+from .updates import Updater, batch_optimizer, sub_optimizer, zero_gradient
 
 IDLE, QUEUED, COMMUNICATED = 0, 1, 2
 
@@ -47,7 +48,7 @@ class GradientError(ByteSchedulerError):
 class _ParamState:
     __slots__ = (
         "param", "key", "name", "priority", "group", "sub", "stage", "step_number",
-        "passes", "grad", "version", "task", "zero_request", "discard",
+        "passes", "grad", "version", "task", "zero_request", "discard", "sparse",
     )
 
     def __init__(self, param: torch.nn.Parameter, key: int, name: str, priority: int, group: int) -> None:
@@ -65,6 +66,7 @@ class _ParamState:
         self.task: Optional[Task] = None
         self.zero_request: Optional[bool] = None  # set_to_none flag of a deferred zero_grad
         self.discard = False
+        self.sparse = False  # averaged at step(), outside the scheduler (sparse.py)
 
 
 class OverlapEngine:
@@ -83,6 +85,9 @@ class OverlapEngine:
         timeout: seconds to wait for one parameter before raising.
         plain: the framework's own path, for the adaptive mode switch
             (:mod:`bytescheduler.pytorch.adaptive`); None: always scheduled.
+        sparse: the collective that sums a sparse gradient over the ranks
+            (:mod:`bytescheduler.pytorch.sparse`); None: a model with sparse gradients is
+            refused with :class:`GradientError`.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class OverlapEngine:
         timeout: float = 300.0,
         on_close: Optional[Callable[[], None]] = None,
         plain: Optional[PlainSetup] = None,
+        sparse: Optional[Average] = None,
     ) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be at least 1")
@@ -120,6 +126,14 @@ class OverlapEngine:
 
         self._names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
         self._order = {id(p): i for i, p in enumerate(model.parameters())}
+        self._sparse_ids = sparse_ids(model)
+        self._sparse_reduce = sparse
+        if self._sparse_ids and sparse is None:
+            names = sorted(self._names.get(i, "?") for i in self._sparse_ids)
+            raise GradientError(
+                f"parameters {names} get sparse gradients (a module with sparse=True), which this "
+                "adapter does not communicate: use sparse=False, or ScheduledOptimizer over "
+                "torch.distributed, which averages them as DDP does")
         self._register_params(0)
         self.guard_reads = guard_reads
         self.plain = False  # the plain path runs (see adaptive.py)
@@ -147,6 +161,7 @@ class OverlapEngine:
                 priority = self._order.get(id(param), len(self._order) + key)
                 state = _ParamState(param, key, self._names.get(id(param), f"param{key}"), priority, group_index)
                 state.sub = sub_optimizer(self._optimizer, self._base, param, group)
+                state.sparse = id(param) in self._sparse_ids
                 self.states[id(param)] = state
                 # Runs before autograd accumulates into p.grad: a gradient that would change
                 # p.grad while it is in flight or awaiting its update is refused there.
@@ -189,6 +204,8 @@ class OverlapEngine:
 
     def _on_gradient(self, param: torch.nn.Parameter) -> None:
         state = self.states[id(param)]
+        if state.sparse:
+            return  # averaged at step()
         with self._cond:
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
@@ -209,8 +226,9 @@ class OverlapEngine:
                 return None
             if grad.is_sparse:
                 raise GradientError(
-                    f"parameter {state.name!r} has a sparse gradient, which bytescheduler does not "
-                    "communicate: use a dense layer (e.g. nn.Embedding(sparse=False))"
+                    f"parameter {state.name!r} has a sparse gradient, but no module of the model "
+                    "declares it sparse (as nn.Embedding(sparse=True) does), so the ranks cannot "
+                    "agree to average it outside the scheduler: declare it, or make it dense"
                 )
             if not grad.is_contiguous():
                 grad = grad.contiguous()
@@ -271,12 +289,15 @@ class OverlapEngine:
             return
         # Gradients not communicated during backward (partial accumulation, parameters that
         # kept a gradient but were unused this iteration) go now, in key order on every rank.
-        late = [s for s in self.states.values() if not (s.stage != IDLE and s.step_number > self._steps_called)]
-        if self._switch is not None and 0 < len(late) < len(self.states):
+        late = [s for s in self.states.values()
+                if not s.sparse and not (s.stage != IDLE and s.step_number > self._steps_called)]
+        dense = sum(1 for s in self.states.values() if not s.sparse)
+        if self._switch is not None and 0 < len(late) < dense:
             self._switch.irregular = True  # a backward ran, without some parameters
         for state in late:
             if state.param.grad is not None:
                 self._submit(state)
+        self.average_sparse(apply=True)
         with self._cond:
             self._steps_called += 1
             step = self._steps_called
@@ -288,6 +309,20 @@ class OverlapEngine:
         self.scheduler.step_boundary()
         if self._switch is not None:
             self._switch.end_step(self)
+
+    def average_sparse(self, apply: bool) -> None:
+        """Average the sparse gradients now, in key order (every rank at the same step), and
+        with ``apply`` update those parameters with this step's hyperparameters."""
+        states = [s for s in self.states.values() if s.sparse]
+        if not states:
+            return
+        with suspended():
+            average_sparse(states, self._sparse_reduce, self.world_size, self.prescale)
+            for state in states:
+                state.passes = 0
+                if apply and state.param.grad is not None:
+                    values = {k: v for k, v in self._optimizer.param_groups[state.group].items() if k != "params"}
+                    batch_optimizer([state], values).step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients now, or right after a pending update (which still needs them)."""

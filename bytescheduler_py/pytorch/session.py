@@ -9,25 +9,51 @@ of :class:`~bytescheduler.pytorch.groups.ProcessGroups`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
+import torch.distributed as dist
+
+from ..core.agreement import ParamInfo, agree
 from ..core.config import SchedulerConfig
 from ..core.scheduler import Scheduler
 from .backend import AllReduceBackend
-from .groups import ProcessGroups
+from .groups import ProcessGroups, require_initialized
+
+
+def agree_settings(process_group: Optional[Any], config: SchedulerConfig,
+                   layout: Optional[Sequence[ParamInfo]] = None) -> SchedulerConfig:
+    """Rank 0's shared settings, after checking that every member has the same ``layout``
+    (:mod:`bytescheduler.core.agreement`). Collective over the default group, like
+    ``dist.new_group``: a process outside ``process_group`` takes part and gets ``config``."""
+    require_initialized()
+    group = dist.group.WORLD if process_group is None else process_group
+    member = group != dist.GroupMember.NON_GROUP_MEMBER
+    ranks = tuple(dist.get_process_group_ranks(group)) if member else None
+    items: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(items, (ranks, config, None if layout is None else list(layout)) if member else None)
+    if not member:
+        return config
+    # Processes may pass different groups (disjoint data-parallel groups): mine, in group order.
+    everyone = [(items[r][1], items[r][2]) for r in ranks]
+    return agree(config, everyone, ranks.index(dist.get_rank()))
 
 
 class TorchSession:
-    """Claims groups for ``process_group``, makes the backend and starts a scheduler on them.
+    """Agrees on the settings, claims groups for ``process_group``, makes the backend and
+    starts a scheduler on them.
 
     Collective over the default group (see :meth:`ProcessGroups.claim`). On a process
     outside ``process_group``, ``scheduler`` is None. ``prepare(groups)`` runs before the
     scheduler starts (e.g. to broadcast rank 0's parameters); if anything fails the groups
-    are released again.
+    are released again. ``config`` is what every member runs with: rank 0's shared settings
+    (:func:`agree_settings`; ``layout`` is compared too).
     """
 
     def __init__(self, process_group: Optional[Any], config: SchedulerConfig,
-                 prepare: Optional[Callable[[ProcessGroups], None]] = None) -> None:
+                 prepare: Optional[Callable[[ProcessGroups], None]] = None,
+                 layout: Optional[Sequence[ParamInfo]] = None) -> None:
+        config = agree_settings(process_group, config, layout)
+        self.config = config
         self.groups = ProcessGroups.claim(process_group, timeout=config.timeout)
         self.scheduler: Optional[Scheduler] = None
         self._backend: Optional[AllReduceBackend] = None

@@ -113,6 +113,8 @@ TRAINING = {
     # calls (split keys go as their sub-keys in one call)
     "adaptive-server-sgd-overlap": (["--update-on-kv", "--overlap", "--adaptive"], 2),
     "adaptive-local-update-hybrid": (["--overlap", "--hybrid", "--adaptive"], 1),
+    # rank 1 alone turns the mode switch off (and sets two more variables): rank 0's settings win
+    "settings-on-rank-1-only": (["--update-on-kv", "--overlap", "--rank1-env"], 2),
 }
 
 
@@ -132,7 +134,16 @@ def test_gluon_training_equals_reference(case, reference, tmp_path):
         settings = json.loads(tunings["0"])
         assert len(settings) >= 2 and len({tuple(s) for s in settings}) >= 2, settings
         assert min(p for p, _ in settings) >= 512, "the tuner went below the server grain"
-    if "--adaptive" in options:
+    if "--rank1-env" in options:
+        settings = dict(re.findall(r"SETTINGS rank=(\d) (.*)", text))
+        assert settings.keys() == {"0", "1"} and settings["0"] == settings["1"], text
+        assert json.loads(settings["0"])["adaptive"] is True, settings
+        warnings = dict(re.findall(r"WARNINGS rank=(\d) (.*)", text))
+        assert json.loads(warnings["0"]) == [], warnings
+        text_1 = "\n".join(json.loads(warnings["1"]))
+        for variable in ("BYTESCHEDULER_ADAPTIVE", "BYTESCHEDULER_CYCLE_TIME", "BYTESCHEDULER_FAST_LANE"):
+            assert variable in text_1, warnings
+    if "--adaptive" in options or "--rank1-env" in options:
         modes = dict(re.findall(r"MODES rank=(\d) (\w+)", text))
         assert modes.keys() == {"0", "1"} and modes["0"] == modes["1"], text  # the same path on every worker
         # 19 steps seen to end: warm-up, scheduled trial, plain trial, then holds and re-trials
@@ -266,3 +277,28 @@ def test_worker_leaving_with_status_0_makes_the_survivor_time_out(marker):
     # flight did not finish), whichever notices first.
     assert re.search(r"^\[worker 0\] bytescheduler\.core\.errors\.CommunicationTimeout: rank \d: .* within "
                      r"5\.0 s", run.stdout, re.M), run.text()
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.parametrize("workers", [3, 4, 8])
+def test_many_workers_of_different_speeds_one_joining_late_train_as_the_reference(workers, tmp_path):
+    """Beyond 2 workers the servers sum in arrival order, so even unwrapped dist_sync differs
+    from a fixed-order sum by rounding: parameters within 1e-6 relative of the reference (SGD),
+    with small pieces and with the mode switch alternating paths; every worker holds the same."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+    env.update(ENV)
+    prefix = tmp_path / "reference"
+    done = subprocess.run([PY, str(WORKERS / "train_mlp.py"), "reference", str(prefix), "--workers", str(workers)],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reference = load_params(f"{prefix}-reference.params")
+    for name, options in (("pieces", []), ("switching", ["--adaptive"])):
+        status, text = run_job("train_mlp.py", "wrapped", tmp_path / name, "--update-on-kv", "--overlap", "--jitter",
+                               *options, servers=2, workers=workers)
+        assert status == 0, text
+        params = [load_params(tmp_path / f"{name}-rank{rank}.params") for rank in range(workers)]
+        for key, expected in reference.items():
+            for rank, got in enumerate(params):
+                assert np.array_equal(got[key], params[0][key]), (name, rank, key)
+            error = np.abs(params[0][key] - expected).max() / np.abs(expected).max()
+            assert error <= 1e-6, (name, key, error)

@@ -10,15 +10,24 @@ MODE:
   reference  one process, no kvstore: each step adds the gradients of rank 0's and rank 1's
              batches (a + b is exact and commutative) and applies the same local update
 
+``--jitter`` makes every worker pause at random each step and the last one join 3 s late;
+``--workers N`` makes the reference sum N workers' batches (for jobs of N workers).
 A worker saves PREFIX-rank{R}.params, the reference PREFIX-reference.params. ``--repartition
 5:4096`` calls ``kv.set_partition_bytes(4096)`` before step 5 (wrapped only). ``--auto-tune``
 lets rank 0's tuner change partition and credit during training; it prints the settings tried.
 ``--adaptive`` turns the mode switch on with short phases, so that steps alternate between
 the schedule and MXNet's own calls; it prints the mode of every step (s or p). Without it the
-wrapped store schedules every step.
+wrapped store schedules every step. ``--rank1-env`` leaves ``adaptive`` to the environment
+and gives rank 1 alone a few bytescheduler variables (``BYTESCHEDULER_ADAPTIVE=0`` among
+them): the workers must still agree, on rank 0's settings; it prints the settings in force
+and rank 1's warnings.
 """
 
 import argparse
+import json
+import os
+import random
+import time
 
 import mxnet as mx
 import numpy as np
@@ -28,7 +37,8 @@ from bytescheduler.launcher import run_worker
 
 STEPS = 20
 BATCH = 16
-WORKERS = 2
+# What rank 1 alone sets with --rank1-env.
+RANK1_ENV = {"BYTESCHEDULER_ADAPTIVE": "0", "BYTESCHEDULER_CYCLE_TIME": "5", "BYTESCHEDULER_FAST_LANE": "0"}
 OPTIMIZER = ("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4})
 
 
@@ -62,13 +72,16 @@ def reference(args) -> None:
     params = list(net.collect_params().values())
     trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=None)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    for step_batches in zip(*(batches(rank) for rank in range(WORKERS))):
+    for step_batches in zip(*(batches(rank) for rank in range(args.workers))):
         grads = []
         for x, y in step_batches:
             backward(net, loss_fn, x, y)
             grads.append([p.grad().copy() for p in params])
-        for param, (first, second) in zip(params, zip(*grads)):
-            param.grad()[:] = first + second
+        for param, per_rank in zip(params, zip(*grads)):
+            total = per_rank[0]
+            for grad in per_rank[1:]:
+                total = total + grad
+            param.grad()[:] = total
         trainer.step(BATCH)
     mx.nd.waitall()
     net.save_parameters(f"{args.prefix}-reference.params")
@@ -81,11 +94,24 @@ def worker(args) -> None:
         from bytescheduler.core import modes
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
         modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3)
-        kv = ScheduledKVStore("dist_sync", partition_bytes=args.partition, grain_bytes=args.grain,
-                              credit_bytes=4096, timeout=60, auto_tune=args.auto_tune, adaptive=args.adaptive)
+        store = mx.kv.create("dist_sync")
+        warnings = []
+        if args.rank1_env:
+            import logging
+            handler = logging.Handler()
+            handler.emit = lambda record: warnings.append(record.getMessage())
+            logging.getLogger("bytescheduler").addHandler(handler)
+            if store.rank == 1:
+                os.environ.update(RANK1_ENV)
+        kv = ScheduledKVStore(store, partition_bytes=args.partition, grain_bytes=args.grain, credit_bytes=4096,
+                              timeout=60, auto_tune=args.auto_tune,
+                              adaptive=None if args.rank1_env else args.adaptive)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank
+    jitter = random.Random(1000 + rank)
+    if args.jitter and rank == kv.num_workers - 1:
+        time.sleep(3.0)  # joins late: the others wait in the first (collective) init
     trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=kv, update_on_kvstore=args.update_on_kv)
     if args.mode == "wrapped" and args.overlap:
         kv.overlap(net)
@@ -95,7 +121,11 @@ def worker(args) -> None:
         if step in repartition:
             kv.set_partition_bytes(repartition[step])
             print(f"REPARTITION rank={rank} step={step} partition_bytes={kv.partition_bytes}")
+        if args.jitter:
+            time.sleep(jitter.uniform(0.0, 0.02))
         loss = backward(net, loss_fn, x, y)
+        if args.jitter:
+            time.sleep(jitter.uniform(0.0, 0.02))
         trainer.step(BATCH)
     if args.mode == "wrapped":
         kv.synchronize()
@@ -107,6 +137,10 @@ def worker(args) -> None:
             scheduled = STEPS
         assert kv.scheduler.stats["pieces"] > scheduled * 6, kv.scheduler.stats
         print(f"STATS rank={rank} {kv.scheduler.stats}")
+        if args.rank1_env:
+            settings = {f: getattr(kv._config, f) for f in ("adaptive", "cycle_ms", "fast_lane_bytes", "timeout")}
+            print(f"SETTINGS rank={rank} {json.dumps(settings, sort_keys=True)}")
+            print(f"WARNINGS rank={rank} {json.dumps([w for w in warnings if 'rank 0' in w])}")
         tuner = kv.scheduler.tuner
         if tuner is not None:
             print(f"TUNING rank={rank} settings={[[t.partition_bytes, t.credit_bytes] for t in tuner.history]}")
@@ -134,6 +168,9 @@ def main() -> None:
     parser.add_argument("--repartition", type=step_bytes, nargs="*", default=[])
     parser.add_argument("--auto-tune", action="store_true")
     parser.add_argument("--adaptive", action="store_true")
+    parser.add_argument("--rank1-env", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="reference: the number of workers' batches summed")
+    parser.add_argument("--jitter", action="store_true", help="random pauses every step; the last worker starts late")
     args = parser.parse_args()
     if args.mode == "reference":
         reference(args)
