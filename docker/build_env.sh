@@ -20,6 +20,10 @@ EXTRA=$(pwd)/docker/build-extra
 TORCH_BUILD=${TORCH_BUILD:-cpu}
 TORCH_INDEX=${TORCH_INDEX-https://download.pytorch.org/whl/$TORCH_BUILD}
 
+# An index given as an empty build argument is no index.
+if [ -z "${PIP_INDEX_URL:-}" ]; then
+    unset PIP_INDEX_URL
+fi
 if [ -s "$EXTRA/ca/ca.crt" ]; then
     export PIP_CERT="$EXTRA/ca/ca.crt"
 fi

@@ -22,6 +22,7 @@
 # Environment:
 #   BASE                   base image (default python:3.11-slim, then local/bookworm-python)
 #   DEBIAN_MIRROR          mirror for the local base (default: the one apt is configured with)
+#   PIP_INDEX_URL, http_proxy, https_proxy, no_proxy (and upper case)   passed to the build
 #   TORCH_INDEX            where images get the CPU torch wheel when the host has none
 #                          (default https://download.pytorch.org/whl/cpu)
 #   DOCKER_HOST_WHEELS     0: stage no host wheels (torch from TORCH_INDEX, Horovod compiled)
@@ -199,6 +200,15 @@ for image in "${IMAGES[@]}"; do
         log "bytescheduler:$image is built on bytescheduler:pytorch: build that first (scripts/docker_build.sh pytorch $image)"
         exit 1
     fi
+    # A proxy and a PyPI mirror reach the build as the host uses them (Docker predefines the proxy
+    # variables as build arguments; the Dockerfiles declare PIP_INDEX_URL). file:// indexes are the
+    # host's own folders, which a build cannot see.
+    for var in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY PIP_INDEX_URL; do
+        case "${!var:-}" in
+            "" | file:*) ;;
+            *) args+=(--build-arg "$var=${!var}") ;;
+        esac
+    done
     log "building bytescheduler:$image (base $base)"
     start=$(date +%s)
     docker build "${args[@]}" .
