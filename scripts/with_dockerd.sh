@@ -14,7 +14,8 @@
 # containers `--network none` (the benchmark makes its own network namespaces inside them).
 #
 # Environment:
-#   BYTESCHEDULER_DOCKERD_LOG   where the daemon's log goes (default: a temporary file, shown on failure)
+#   BYTESCHEDULER_DOCKERD_LOG   where the daemon's log goes (default: a temporary file, removed at
+#                               the end; its last lines are shown when the daemon fails to start)
 set -euo pipefail
 
 if [ "$#" -eq 0 ]; then
@@ -43,10 +44,15 @@ fi
 DAEMON_LOG=${BYTESCHEDULER_DOCKERD_LOG:-$(mktemp "${TMPDIR:-/tmp}/dockerd.XXXXXX.log")}
 PIDFILE=/var/run/bytescheduler-dockerd.pid
 DAEMON_PID=
+COMMAND_PID=
 
 stop_daemon() {
     local status=$?
     trap - EXIT INT TERM
+    if [ -n "$COMMAND_PID" ] && kill -0 "$COMMAND_PID" 2>/dev/null; then
+        kill -TERM "$COMMAND_PID" 2>/dev/null || true
+        wait "$COMMAND_PID" 2>/dev/null || true
+    fi
     if [ -n "$DAEMON_PID" ] && kill -0 "$DAEMON_PID" 2>/dev/null; then
         # Containers first (a daemon stops them too, but waits for each), then the daemon.
         local running
@@ -67,7 +73,8 @@ stop_daemon() {
         wait "$DAEMON_PID" 2>/dev/null || true
         log "stopped the Docker daemon it had started (pid $DAEMON_PID)"
     fi
-    if [ "$status" -ne 0 ] && [ -s "$DAEMON_LOG" ]; then
+    # The daemon's log helps when the daemon failed, not when the command did.
+    if [ "$status" -ne 0 ] && [ -z "$COMMAND_PID" ] && [ -s "$DAEMON_LOG" ]; then
         log "the daemon's log (last lines of $DAEMON_LOG):"
         tail -n 20 "$DAEMON_LOG" >&2
     fi
@@ -99,5 +106,9 @@ if ! docker info >/dev/null 2>&1; then
 fi
 log "dockerd is up (pid $DAEMON_PID, storage driver $(docker info --format '{{.Driver}}'))"
 
-# Not exec: the trap must stop the daemon when the command ends.
-"$@"
+# Not exec: the trap must stop the daemon when the command ends. In the background with `wait`,
+# so that a SIGTERM to this script is handled at once (bash runs traps only between commands);
+# the command keeps this script's standard input.
+"$@" <&0 &
+COMMAND_PID=$!
+wait "$COMMAND_PID"
