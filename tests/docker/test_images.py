@@ -72,27 +72,30 @@ def test_pytorch_image_runs_the_readme_demo_by_default():
     assert "Command: `bytescheduler bench --quick`" in done.stdout, report(done)
 
 
-# Per image: the systems of its framework and the table rows they make.
+# Per image: the systems of its framework, the table rows they make, how the job measures the
+# link and the least rate that measurement shows on a working 1 Gbit/s link. gloo and Horovod
+# measure 0.96 Gbit/s here; ps-lite's push+pull is CPU-bound below the rate (0.91-0.92 Gbit/s
+# alone, 0.77 with a test suite sharing the 2 cores).
 SCHEDULED_RUNS = {
-    "pytorch": (["ddp", "scheduled"], ["DDP default", "ScheduledOptimizer"], "gloo all-reduce"),
+    "pytorch": (["ddp", "scheduled"], ["DDP default", "ScheduledOptimizer"], "gloo all-reduce", 0.8),
     "horovod": (["hvd", "hvd-scheduled"], ["Horovod DistributedOptimizer", "Horovod + ScheduledOptimizer"],
-                "Horovod all-reduce"),
-    "mxnet": (["mxnet", "mxnet-scheduled"], ["MXNet dist_sync", "MXNet + ScheduledKVStore"], "ps-lite push+pull"),
+                "Horovod all-reduce", 0.8),
+    "mxnet": (["mxnet", "mxnet-scheduled"], ["MXNet dist_sync", "MXNet + ScheduledKVStore"], "ps-lite push+pull", 0.5),
 }
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("image", IMAGES)
 def test_short_scheduled_run_on_a_1gbit_testbed_inside_the_image(image):
-    systems, rows, link = SCHEDULED_RUNS[image]
+    systems, rows, link, least_gbit = SCHEDULED_RUNS[image]
     done = docker_run(image, "bytescheduler", "bench", "--bandwidth", "1gbit", "--model", "tiny",
                       "--batch-size", "8", "--systems", *systems, "--rounds", "2", "--iters", "2",
                       "--warmup", "1", "--deadline", "300", options=SHAPING_CAPABILITIES, timeout=400)
     assert done.returncode == 0, report(done)
-    # Really shaped: no fallback to loopback, and the link runs near the set rate.
+    # Really shaped: no fallback to loopback, and the link runs near the set rate, never above it.
     assert "2 network namespaces, veth links shaped to 1gbit each way" in done.stdout, report(done)
     measured = re.search(rf"([\d.]+) Gbit/s per direction by {re.escape(link)}", done.stdout)
-    assert measured and 0.8 <= float(measured.group(1)) <= 1.05, report(done)
+    assert measured and least_gbit <= float(measured.group(1)) <= 1.05, report(done)
     assert re.search(rf"^\| {re.escape(rows[0])} \| \d+\.\d+ \|", done.stdout, re.M), report(done)
     assert re.search(rf"^\| {re.escape(rows[1])} \| \d+\.\d+ \| [\d.-]+ \| [\d.]+ \| \d+\.\d+x vs {re.escape(rows[0])} \|",
                      done.stdout, re.M), report(done)
