@@ -9,7 +9,7 @@ VENV_MXNET ?= .venv-mxnet
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup horovod mxnet demo test microbench clean
+.PHONY: setup horovod mxnet demo test microbench docker docker-test clean
 
 $(BIN)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ demo: setup
 test: setup $(BIN)/.horovod mxnet
 	$(BIN)/python -m pytest
 	$(VENV_MXNET)/bin/python -m pytest tests/mxnet
+
+# Docker images bytescheduler:pytorch, :horovod and :mxnet (docs/docker.md), set up by the targets
+# above. With no Docker daemon running, one is started (as root) for the command and stopped after.
+docker:
+	bash scripts/with_dockerd.sh bash scripts/docker_build.sh
+
+# Builds the images and runs tests/docker in them: the demo and a short scheduled run in each.
+# CI runs it after `make test`.
+docker-test: setup
+	bash scripts/with_dockerd.sh bash -c 'bash scripts/docker_build.sh && BYTESCHEDULER_DOCKER_TESTS=1 $(BIN)/python -m pytest tests/docker'
 
 microbench: setup
 	$(BIN)/bytescheduler microbench

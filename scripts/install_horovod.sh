@@ -19,6 +19,10 @@
 #   TORCH_PIN                  torch requirement installed only if torch is missing
 #                              (default: torch==2.13.0)
 #   HOROVOD_BUILD_JOBS         parallel compile jobs (default: number of CPUs)
+#   HOROVOD_GPU_OPERATIONS     NCCL: a CUDA build whose GPU collectives use NCCL (gloo still
+#                              coordinates; cache key ...-cuda-nccl). Needs CUDA and NCCL's
+#                              headers (CUDA_HOME, HOROVOD_NCCL_HOME); untested by us (no GPU).
+#                              Unset (the default): CPU only, gloo.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
@@ -79,7 +83,12 @@ print(torch.__version__, "cp%d%d" % sys.version_info[:2], platform.machine(), hv
 EOF
 )
 
-KEY="horovod-${HOROVOD_VERSION}/torch-${TORCH_VERSION}-${PY_TAG}-${MACHINE}-cpu-gloo"
+case "${HOROVOD_GPU_OPERATIONS:-}" in
+    "") VARIANT=cpu-gloo ;;
+    NCCL) VARIANT=cuda-nccl ;;
+    *) echo "install_horovod: HOROVOD_GPU_OPERATIONS=$HOROVOD_GPU_OPERATIONS is not supported (NCCL or unset)" >&2; exit 2 ;;
+esac
+KEY="horovod-${HOROVOD_VERSION}/torch-${TORCH_VERSION}-${PY_TAG}-${MACHINE}-${VARIANT}"
 CACHE_ROOT=${BYTESCHEDULER_WHEEL_CACHE:-$HOME/.cache/bytescheduler/wheels}
 CACHE_DIR="$CACHE_ROOT/$KEY"
 
@@ -126,9 +135,15 @@ exec "$REAL_CXX" "\$@" -std=c++17
 EOF
     chmod +x "$WORK/cxx"
 
-    # A CPU-only Gloo build, whatever HOROVOD_* settings the caller has (the cache key says so).
-    unset HOROVOD_GPU HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER \
-        HOROVOD_GPU_BROADCAST HOROVOD_GPU_ALLTOALL HOROVOD_GPU_REDUCESCATTER HOROVOD_WITH_MPI
+    # The build the cache key names, whatever other HOROVOD_* settings the caller has: CPU-only
+    # Gloo, or (cuda-nccl) NCCL for GPU tensors with Gloo for the rest and for coordination.
+    unset HOROVOD_GPU HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER HOROVOD_GPU_BROADCAST \
+        HOROVOD_GPU_ALLTOALL HOROVOD_GPU_REDUCESCATTER HOROVOD_WITH_MPI
+    if [ "$VARIANT" = cuda-nccl ]; then
+        export HOROVOD_GPU=CUDA HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=${HOROVOD_NCCL_LINK:-SHARED}
+    else
+        unset HOROVOD_GPU_OPERATIONS
+    fi
     CXX="$WORK/cxx" \
     CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     HOROVOD_WITH_PYTORCH=1 \
