@@ -9,7 +9,7 @@ VENV_MXNET ?= .venv-mxnet
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup horovod mxnet demo test microbench docker docker-test clean
+.PHONY: setup horovod mxnet demo test test-frameworks microbench docker docker-test clean
 
 $(BIN)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +39,12 @@ mxnet: $(VENV_MXNET)/bin/.installed
 demo: setup
 	$(BIN)/bytescheduler bench --quick --out bench-results/quick
 
+# Every test: the main suite, the MXNet suite, then the Docker images (docker-test, below).
+test: test-frameworks docker-test
+
 # The main environment has no MXNet: there tests/conftest.py leaves tests/mxnet out, and the
 # second run collects it in the MXNet environment (where it fails loudly if MXNet is broken).
-test: setup $(BIN)/.horovod mxnet
+test-frameworks: setup $(BIN)/.horovod mxnet
 	$(BIN)/python -m pytest
 	$(VENV_MXNET)/bin/python -m pytest tests/mxnet
 
@@ -51,7 +54,7 @@ docker:
 	bash scripts/with_dockerd.sh bash scripts/docker_build.sh
 
 # Builds the images and runs tests/docker in them: the demo and a short scheduled run in each.
-# CI runs it after `make test`.
+# Part of `make test`, after test-frameworks.
 docker-test: setup
 	bash scripts/with_dockerd.sh bash -c 'bash scripts/docker_build.sh && BYTESCHEDULER_DOCKER_TESTS=1 $(BIN)/python -m pytest tests/docker'
 
