@@ -42,6 +42,8 @@ DECISION_KEYS = 16_384
 _SUBKEY_LIMIT = ORDER_KEY_INT - DECISION_KEYS
 
 _NORM_OPTIMIZERS = ("lars", "lamb")
+# Checked arrays a key remembers (gluon uses two or three per key: gradient, weight, copies per device).
+_CHECKED_ARRAYS = 8
 
 
 def as_list(value: Any) -> List[Any]:
@@ -106,7 +108,7 @@ def check_optimizer(optimizer: Any, infos: Iterable["KeyInfo"]) -> None:
 class KeyInfo:
     """What the store knows about one user key: its shape and its sub-keys on the servers."""
 
-    __slots__ = ("key", "index", "shape", "dtype", "numel", "itemsize", "grains", "subkeys", "last")
+    __slots__ = ("key", "index", "shape", "dtype", "numel", "itemsize", "grains", "subkeys", "last", "_checked")
 
     def __init__(self, key, index: int, shape, dtype, grains: List[Tuple[int, int]], subkeys: List[Any]) -> None:
         self.key = key
@@ -118,6 +120,10 @@ class KeyInfo:
         self.grains = grains  # element range of each sub-key, in order
         self.subkeys = subkeys  # the store key of each grain
         self.last: Any = None  # the key's latest operation (a backend Job), None before the first
+        # Arrays already checked, by id, holding them (an id is not reused while the array lives):
+        # gluon passes the same gradient and weight arrays every step, and an NDArray's shape and
+        # dtype never change, so each is checked once (a few MXNet calls, on every call otherwise).
+        self._checked: Dict[int, Any] = {}
 
     @property
     def partitioned(self) -> bool:
@@ -125,7 +131,13 @@ class KeyInfo:
 
     def check(self, arrays: Iterable[Any], what: str) -> None:
         """Every array has the key's shape and dtype (see :func:`check_arrays`)."""
-        check_arrays(self.key, arrays, self.shape, self.dtype, what)
+        checked = self._checked
+        unknown = [arr for arr in arrays if checked.get(id(arr)) is not arr]
+        if unknown:
+            check_arrays(self.key, unknown, self.shape, self.dtype, what)
+            if len(checked) + len(unknown) > _CHECKED_ARRAYS:
+                checked.clear()  # arrays made afresh each call: let go of them
+            checked.update((id(arr), arr) for arr in unknown)
 
     def task(self, payload: Any, priority: float) -> Task:
         """The scheduler's view of the key: one element per sub-key (a piece is a run of them)."""

@@ -63,6 +63,8 @@ class PlainCalls:
 
 def _split(infos: Sequence[KeyInfo], arrays: Sequence[List[Any]]) -> Tuple[List[Any], List[List[Any]]]:
     """Server keys and their arrays: a key's own arrays, or views of them per sub-key."""
+    if len(infos) == 1 and not infos[0].partitioned:  # gluon's call: one whole key
+        return [infos[0].subkeys[0]], [arrays[0]]
     keys: List[Any] = []
     groups: List[List[Any]] = []
     for info, group in zip(infos, arrays):

@@ -53,18 +53,36 @@ class ModeSwitch:
         setup: the adapter's reducer and agreement.
         leader: this rank decides (times its steps and proposes).
         states: the engine's parameter states (``key``, ``param``, ``priority``), live.
-        prepare: state -> its gradient made ready for a bucket (see :class:`PlainPath`).
+        passes: backward passes accumulated before a gradient counts as complete.
     """
 
-    def __init__(self, setup: PlainSetup, leader: bool, states: Dict[int, Any],
-                 prepare: Callable[[Any], Optional[torch.Tensor]], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, setup: PlainSetup, leader: bool, states: Dict[int, Any], passes: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.chooser = new_chooser()
         self._driver = ModeDriver(self.chooser, leader, setup.agree, clock)
         self._setup = setup
         self._states = states
-        self._prepare = prepare
+        self._passes = passes
         self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
+
+    def gradient(self, state: Any) -> bool:
+        """Backward accumulated ``state``'s gradient (a dense parameter; the training thread,
+        which alone touches the plain path). False when it already went this iteration (a
+        second backward without accumulation)."""
+        state.passes += 1
+        if state.passes < self._passes:
+            return True
+        state.passes = 0
+        path = self.path
+        if path.taken(state.key):
+            return False
+        grad = state.param.grad
+        if grad is not None:
+            if grad.is_sparse or not grad.is_contiguous():
+                grad = _gradient(state)
+            path.add(state.key, grad)
+        return True
 
     def rebuild(self) -> None:
         """Lay the buckets out again over every parameter (after ``add_param_group``).
@@ -75,7 +93,7 @@ class ModeSwitch:
         members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
                    for s in reversed(ordered)]
         buckets = assign_buckets(members, self._setup.first_bytes, self._setup.bucket_bytes)
-        self.path = PlainPath(buckets, self._setup.reducer, lambda key: self._prepare(by_key[key]))
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]))
 
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
@@ -98,7 +116,24 @@ class ModeSwitch:
         if new == old:
             return
         engine.plain = new == PLAIN
+        engine.check_accumulation(not engine.plain)  # the plain path checks in gradient()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
         else:
             ReadGuard.attach(engine, install=engine.guard_reads)
+
+
+def _gradient(state: Any) -> Optional[torch.Tensor]:
+    """``state``'s gradient for a bucket: contiguous, as backward left it (the reducer scales)."""
+    param = state.param
+    grad = param.grad
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        from .overlap import GradientError, undeclared_sparse
+
+        raise GradientError(undeclared_sparse(state.name))
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+        param.grad = grad
+    return grad

@@ -159,7 +159,7 @@ def ScheduledOptimizer(
     plain = None
     if config.adaptive and not config.auto_tune and session.world_size > 1:
         lane = session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
-        plain = PlainSetup(FlatReducer(lane), torch_agreement(lane, session.groups.backend))
+        plain = PlainSetup(FlatReducer(lane, session.world_size), torch_agreement(lane, session.groups.backend))
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(

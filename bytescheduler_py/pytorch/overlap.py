@@ -122,6 +122,7 @@ class OverlapEngine:
         self.busy = 0  # parameters not IDLE (the read guard's fast check), under _cond
         self.guard_thread: Optional[int] = None
         self._handles: List[Any] = []
+        self._accumulate_hooks: Dict[int, Any] = {}  # key -> handle of the pre-accumulation check
         self.states: Dict[int, _ParamState] = {}
 
         self._names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
@@ -138,7 +139,7 @@ class OverlapEngine:
         self.guard_reads = guard_reads
         self.plain = False  # the plain path runs (see adaptive.py)
         self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank == 0, self.states,
-                                                             self._prepared_gradient)
+                                                             backward_passes_per_step)
         for module in model.modules():
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
             if own:
@@ -163,10 +164,25 @@ class OverlapEngine:
                 state.sub = sub_optimizer(self._optimizer, self._base, param, group)
                 state.sparse = id(param) in self._sparse_ids
                 self.states[id(param)] = state
-                # Runs before autograd accumulates into p.grad: a gradient that would change
-                # p.grad while it is in flight or awaiting its update is refused there.
-                self._handles.append(param.register_hook(lambda grad, state=state: self._check_accumulate(state)))
+                self._hook_accumulation(state)
                 self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def _hook_accumulation(self, state: _ParamState) -> None:
+        # Runs before autograd accumulates into p.grad: a gradient that would change p.grad
+        # while it is in flight or awaiting its update is refused there.
+        self._accumulate_hooks[state.key] = state.param.register_hook(
+            lambda grad, state=state: self._check_accumulate(state))
+
+    def check_accumulation(self, on: bool) -> None:
+        """Hook (or unhook) the pre-accumulation check of every parameter. The scheduled path
+        needs it; the plain path, where a Python call per parameter is measurable on small
+        models, checks in its own gradient hook instead."""
+        for state in self.states.values():
+            handle = self._accumulate_hooks.pop(state.key, None)
+            if handle is not None:
+                handle.remove()
+            if on:
+                self._hook_accumulation(state)
 
     def add_param_group(self, group_index: int) -> None:
         """Register the parameters of a group the user added after construction."""
@@ -188,8 +204,6 @@ class OverlapEngine:
         state.stage = stage
 
     def _check_accumulate(self, state: _ParamState) -> None:
-        if self.plain and self._switch.path.taken(state.key):
-            raise GradientError(_AGAIN.format(state.name))
         with self._cond:
             self._latch.raise_if_set()
             if state.stage == IDLE:
@@ -206,14 +220,15 @@ class OverlapEngine:
         state = self.states[id(param)]
         if state.sparse:
             return  # averaged at step()
+        if self.plain:
+            if not self._switch.gradient(state):
+                raise GradientError(_AGAIN.format(state.name))
+            return
         with self._cond:
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
                 return
-        if self.plain:
-            self._switch.path.ready(state.key)
-        else:
-            self._submit(state)
+        self._submit(state)
 
     def _prepared_gradient(self, state: _ParamState) -> Optional[torch.Tensor]:
         """The parameter's gradient, checked, contiguous and (``prescale``) divided by the world size."""
@@ -225,11 +240,7 @@ class OverlapEngine:
             if grad is None:
                 return None
             if grad.is_sparse:
-                raise GradientError(
-                    f"parameter {state.name!r} has a sparse gradient, but no module of the model "
-                    "declares it sparse (as nn.Embedding(sparse=True) does), so the ranks cannot "
-                    "agree to average it outside the scheduler: declare it, or make it dense"
-                )
+                raise GradientError(undeclared_sparse(state.name))
             if not grad.is_contiguous():
                 grad = grad.contiguous()
                 param.grad = grad
@@ -448,12 +459,19 @@ class OverlapEngine:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            self.check_accumulation(False)
             ReadGuard.detach(self)
             try:
                 self.scheduler.stop(wait=wait and not self._latch)
             finally:
                 if self._on_close is not None:
                     self._on_close()
+
+
+def undeclared_sparse(name: str) -> str:
+    return (f"parameter {name!r} has a sparse gradient, but no module of the model declares it "
+            "sparse (as nn.Embedding(sparse=True) does), so the ranks cannot agree to average it "
+            "outside the scheduler: declare it, or make it dense")
 
 
 _AGAIN = (

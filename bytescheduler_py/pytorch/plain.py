@@ -70,8 +70,7 @@ class PlainPath:
         buckets: keys per bucket, in launch order (the same on every rank).
         reducer: the framework's collective.
         prepare: key -> the parameter's gradient made ready to join a bucket (checked,
-            contiguous, divided by the world size where the collective sums), or None
-            when the parameter has no gradient.
+            contiguous), or None when the parameter has no gradient; the reducer scales.
 
     Not thread-safe: the training thread (backward's hooks, ``step``) is its only caller.
     """
@@ -92,12 +91,14 @@ class PlainPath:
 
     def ready(self, key: int) -> None:
         """``key``'s gradient is complete: prepare it, launch every bucket now complete, in order."""
-        bucket = self._bucket_of[key]
         grad = self._prepare(key)
-        if grad is None:
-            return
+        if grad is not None:
+            self.add(key, grad)
+
+    def add(self, key: int, grad: torch.Tensor) -> None:
+        """:meth:`ready` with the gradient already prepared (the hot path of a backward hook)."""
         self._prepared[key] = grad
-        bucket.waiting.discard(key)
+        self._bucket_of[key].waiting.discard(key)
         while self._next < len(self._buckets) and not self._buckets[self._next].waiting:
             self._launch(self._buckets[self._next])
         if self._next == len(self._buckets):
@@ -145,15 +146,18 @@ class PlainPath:
 
 
 class FlatReducer:
-    """:class:`Reducer` for torch.distributed: each bucket copied into one flat buffer and
-    all-reduced (summed) on ``group``, then copied back, as DDP does without
-    ``gradient_as_bucket_view``."""
+    """:class:`Reducer` for torch.distributed: each bucket's gradients divided by the world
+    size and all-reduced (summed) on ``group``, a bucket of several copied into one flat
+    buffer and back, as DDP does without ``gradient_as_bucket_view``. One kernel per bucket
+    for the division and one call for the copy back, not one per gradient: on a small model
+    the launches, not the bytes, are the cost."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, world_size: int) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self._group = group
+        self._world_size = world_size
         self._buffers: Dict[Tuple[int, ...], torch.Tensor] = {}  # kept, as DDP keeps its buckets
 
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
@@ -167,6 +171,7 @@ class FlatReducer:
             if flat is None or flat.numel() != numel or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
                 flat = self._buffers[keys] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
             torch.cat([grad.view(-1) for grad in grads], out=flat)
+        flat.div_(self._world_size)
         work = self._dist.all_reduce(flat, group=self._group, async_op=True)
         return work, flat, grads
 
@@ -174,10 +179,8 @@ class FlatReducer:
         work, flat, grads = handle
         work.wait()
         if len(grads) > 1:
-            offset = 0
-            for grad in grads:
-                grad.view(-1).copy_(flat[offset:offset + grad.numel()])
-                offset += grad.numel()
+            pieces = torch.split(flat, [grad.numel() for grad in grads])
+            torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(pieces, grads)])
 
 
 def torch_agreement(group: Any, backend: str) -> Callable[[int, bool], int]:
