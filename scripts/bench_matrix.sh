@@ -5,8 +5,9 @@
 #
 # Each (model, rate) is one `bytescheduler bench` run that alternates the systems of a
 # framework block by block; the summary is `bytescheduler bench-summary OUT/*/results.json`.
-# Environment: RATES (default "none 1gbit 2gbit"), MODELS (default: all below), ROUNDS
-# (default 8), PYTHON_BIN (default .venv/bin). Takes several hours on the project's 2-core
+# Environment: RATES (default "none 1gbit 2gbit"), MODELS (default: all below), ROUNDS_LARGE
+# (default 6: about a second per iteration) and ROUNDS_SMALL (default 16: tens of ms per
+# iteration, where the gaps are small and the noise large), PYTHON_BIN (default .venv/bin). Takes several hours on the project's 2-core
 # machine; nothing else should run meanwhile (the figures are ratios, but a busy machine
 # widens their spread).
 set -euo pipefail
@@ -15,9 +16,10 @@ cd "$(dirname "$0")/.."
 OUT=${1:-bench-results/matrix}
 BIN=${PYTHON_BIN:-.venv/bin}
 RATES=${RATES:-none 1gbit 2gbit}
-ROUNDS=${ROUNDS:-8}
-# model: iterations per block (small models: more, so a block lasts about a second)
-declare -A ITERS=([vgg]=10 [mlp]=10 [transformer]=10 [resnet]=20 [gpt2-small]=20 [cnn-small]=20 [vgg-small]=20)
+ROUNDS_LARGE=${ROUNDS_LARGE:-6}
+ROUNDS_SMALL=${ROUNDS_SMALL:-16}
+# model: iterations per block (small models: more, so that a block lasts a fraction of a second)
+declare -A ITERS=([vgg]=10 [mlp]=10 [transformer]=10 [resnet]=20 [gpt2-small]=40 [cnn-small]=40 [vgg-small]=20)
 MODELS=${MODELS:-vgg mlp transformer resnet gpt2-small cnn-small vgg-small}
 # MXNet's bench has these models (bytescheduler/bench/mxnet_models.py)
 MXNET_MODELS=" vgg vgg-small cnn-small mlp "
@@ -29,10 +31,14 @@ for model in $MODELS; do
         if [[ "$MXNET_MODELS" == *" $model "* ]]; then
             systems="$systems mxnet mxnet-scheduled"
         fi
-        echo "=== $model at $rate: $systems"
+        rounds=$ROUNDS_SMALL
+        if [ "${ITERS[$model]}" -le 10 ]; then
+            rounds=$ROUNDS_LARGE
+        fi
+        echo "=== $model at $rate: $systems ($rounds rounds)"
         # shellcheck disable=SC2086
         "$BIN/bytescheduler" bench --bandwidth "$rate" --model "$model" --systems $systems \
-            --rounds "$ROUNDS" --iters "${ITERS[$model]}" --warmup 3 --out "$OUT/$model-$rate" \
+            --rounds "$rounds" --iters "${ITERS[$model]}" --warmup 3 --out "$OUT/$model-$rate" \
             || echo "!!! $model at $rate failed" >&2
     done
 done

@@ -144,7 +144,10 @@ def test_dead_peer_raises_within_timeout(how):
     name, message, elapsed, step = results[0]
     assert step == 3, results[0]
     assert elapsed < timeout + 5, results[0]
-    assert "CommunicationError" in message or "CommunicationTimeout" in message, message
+    # Raised by the hook (through DDP, which reports it as a RuntimeError naming it) or by
+    # the mode switch's agreement at a step's start (as itself).
+    assert name in ("CommunicationError", "CommunicationTimeout") or "CommunicationError" in message \
+        or "CommunicationTimeout" in message, results[0]
     assert "peer" in message, message
 
 

@@ -37,12 +37,38 @@ def _drive(chooser, seconds, steps, follower=None):
 
 
 def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confirmed():
-    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40)
+    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1)
     history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 100)
-    # warm-up 2, scheduled trial 3, plain trial 1+3, decided at once (30% apart): hold 1+10,
-    # re-trial of plain 1+3, confirmed: hold 1+20, re-trial, hold 1+40 (the cap), ...
+    # warm-up 2 (a decision point: trials of 3 steps), scheduled trial 3, plain trial 1+3,
+    # decided at once (30% apart): hold 1+10, re-trial of plain 1+3, confirmed: hold 1+20,
+    # re-trial, hold 1+40 (the cap), ...
     assert history.startswith("sssss" + "pppp" + "s" * 11 + "pppp" + "s" * 21 + "pppp" + "s" * 41), history
-    assert chooser.decisions == 4
+    assert chooser.decisions == 5 and chooser.choices == 4
+
+
+def test_a_clear_first_choice_holds_longer_and_trials_last_long_enough():
+    clear = ModeChooser(warmup=2, settle=0, trial=2, pairs=3, hold=10, max_hold=100, clear_hold=4)
+    assert _drive(clear, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 60)[:50] == "ss" "ss" "pp" + "s" * 40 + "pp" "ss"
+    close = ModeChooser(warmup=2, settle=0, trial=2, pairs=1, hold=10, clear_hold=4)
+    assert _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.05, 20)[:18] == "ss" "ss" "pp" + "s" * 10 + "pp"
+    # Steps of 10 ms: trials of 0.5 s are 50 steps (warm-up's median, its first step left out).
+    fast = ModeChooser(warmup=3, settle=0, trial=4, trial_seconds=0.5, max_trial=64)
+    history = _drive(fast, lambda mode, step: 0.2 if step == 0 else 0.01, 200)
+    assert history[:3 + 50 + 50] == "sss" + "s" * 50 + "p" * 50 and fast.trial == 50, history[:110]
+
+
+def test_differences_within_the_noise_go_to_the_plain_path():
+    import random
+
+    noise = random.Random(7)
+    # The schedule 2% faster, steps that vary by 10%: not told apart with trials of 8 steps.
+    chooser = ModeChooser(warmup=1, settle=0, trial=8, pairs=2, hold=50, margin=0.01)
+    history = _drive(chooser, lambda mode, _: (0.98 if mode == SCHEDULED else 1.0) * noise.uniform(0.9, 1.1), 60)
+    assert history[-20:] == "p" * 20, history
+    # The same 2% with steps that vary by 0.1%: the schedule wins.
+    steady = ModeChooser(warmup=1, settle=0, trial=8, pairs=2, hold=50, margin=0.01)
+    history = _drive(steady, lambda mode, _: (0.98 if mode == SCHEDULED else 1.0) * noise.uniform(0.999, 1.001), 60)
+    assert history[-20:] == "s" * 20, history
 
 
 def test_a_faster_plain_path_wins_and_ties_go_to_the_plain_path():
@@ -55,7 +81,7 @@ def test_a_faster_plain_path_wins_and_ties_go_to_the_plain_path():
 
 
 def test_a_retrial_switches_when_the_situation_changed():
-    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6)
+    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1)
     # The plain path is faster until step 12, then (a slower link) the scheduled one is.
     history = _drive(chooser, lambda mode, step: (1.0 if step < 12 else 2.0) if mode == PLAIN else 1.5, 40)
     # Plain held (steps 5-10), re-trial of the schedule (11-12), plain confirmed and held
@@ -138,7 +164,7 @@ def test_a_step_with_an_unused_parameter_is_irregular_and_one_without_backward_i
 # --------------------------------------------------------------------------- the switch, on 2 ranks
 
 STEPS = 30
-SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3)
+SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1)
 
 
 def _modes(optimizer):
@@ -260,7 +286,7 @@ def _second_backward_in_plain_mode(rank):
     import bytescheduler.pytorch as bsp
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(warmup=1, settle=0, trial=1, pairs=1, hold=1000)
+    modes.CHOOSER_OPTIONS.update(warmup=1, settle=0, trial=1, pairs=1, hold=1000, trial_seconds=0)
     model = nn.Linear(4, 2)
     optimizer = bsp.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(3, 4)
@@ -329,8 +355,8 @@ def test_a_parameter_without_gradient_keeps_the_scheduled_path_for_good(switched
     for run in runs:
         assert run["same"] == ([], []), run["same"]
         assert run["fixed"], run["modes"]
-        # The trials before the first decision point (step 7) ran; then the schedule only.
-        assert run["modes"][7:] == "s" * (STEPS - 7), run["modes"]
+        # The first decision point (the warm-up's end, step 2) stopped the switch: the schedule only.
+        assert run["modes"] == "s" * STEPS, run["modes"]
     assert runs[0]["modes"] == runs[1]["modes"]
 
 

@@ -126,7 +126,7 @@ class CpuMeter:
 
 
 # Warm-up steps at most while the adaptive switch makes its first choice.
-MAX_CHOOSING_STEPS = 200
+MAX_CHOOSING_STEPS = 500
 
 
 def _counts(system: "System") -> Tuple[int, int]:
@@ -184,7 +184,7 @@ class System:
     def choosing(self) -> bool:
         """True until the adaptive mode switch made its first choice (the same step on every rank)."""
         switch = self.mode_switch()
-        return switch is not None and switch.chooser.decisions == 0
+        return switch is not None and switch.chooser.choices == 0 and not switch.chooser.fixed
 
     def modes(self) -> str:
         """The mode of every step so far, one letter each (s: scheduled, p: plain), or ''."""

@@ -28,14 +28,17 @@ rank 1: partition_bytes (BYTESCHEDULER_PARTITION) is 1024 here but 4194304 on ra
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .config import ENVIRONMENT_OF, SchedulerConfig
-from .errors import ByteSchedulerError
+from .errors import ByteSchedulerError, RankFailed
 from .log import logger
 
 # (name, shape, dtype, sparse): one parameter as every rank describes it.
 ParamInfo = Tuple[str, Tuple[int, ...], str, bool]
+Layout = Optional[Sequence[ParamInfo]]
+# What each rank sends: its settings and layout, or (None, None, its error as text).
+Report = Tuple[Optional[SchedulerConfig], Optional[List[ParamInfo]], Optional[str]]
 
 FROM_RANK_0 = ("partition_bytes", "credit_bytes", "merge", "fast_lane_bytes", "timeout", "auto_tune", "cycle_ms",
                "adaptive")
@@ -79,6 +82,31 @@ def check_layouts(layouts: Sequence[Optional[Sequence[ParamInfo]]]) -> None:
                 f"the model differs between ranks: rank 0 has {len(reference)} parameters, rank {rank} "
                 f"has {len(layout)}; rank {longer} has {_describe(extra)} where rank {shorter}'s end; "
                 "every rank must build the same model")
+
+
+def attempt(build: Callable[[], Tuple[SchedulerConfig, Layout]]) -> Tuple[Report, Optional[BaseException]]:
+    """Run this rank's ``build`` (its argument checks and its settings): the report it sends
+    to the others and, if it failed, its error (raised after the gather, so that the others
+    learn of it instead of waiting for this rank in the next collective)."""
+    try:
+        config, layout = build()
+    except Exception as error:  # noqa: BLE001 - every rank must hear of it, then it is raised here
+        return (None, None, f"{type(error).__name__}: {error}"), error
+    return (config, None if layout is None else list(layout), None), None
+
+
+def settle(reports: Sequence[Report], rank: int, failure: Optional[BaseException]) -> SchedulerConfig:
+    """Every rank's reports, gathered in rank order: raise this rank's own error, or
+    :class:`~bytescheduler.core.errors.RankFailed` for the first rank that failed, or return
+    rank 0's shared settings (:func:`agree`)."""
+    if failure is not None:
+        raise failure
+    for other, (_, _, error) in enumerate(reports):
+        if error is not None:
+            raise RankFailed(f"rank {other} failed at start-up, so this rank stops too: {error}")
+    mine = reports[rank][0]
+    assert mine is not None
+    return agree(mine, [(config, layout) for config, layout, _ in reports], rank)
 
 
 def agree(config: SchedulerConfig, everyone: Sequence[Tuple[SchedulerConfig, Optional[Sequence[ParamInfo]]]],

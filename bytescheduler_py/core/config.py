@@ -11,6 +11,7 @@ Sizes are bytes. Strings such as ``"4MB"`` (SI, 4,000,000), ``"4MiB"`` (binary,
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -71,7 +72,10 @@ def parse_nonnegative_size(value: Size, name: str) -> int:
     """Like :func:`parse_size` but also accepts 0 (meaning: off)."""
     if value == 0 or (isinstance(value, str) and value.strip() == "0"):
         return 0
-    return parse_size(value, name)
+    try:
+        return parse_size(value, name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a size: use 0 (off), {SIZE_FORMS}") from None
 
 
 def parse_bool(value: Union[bool, int, str], name: str) -> bool:
@@ -93,11 +97,16 @@ def _number(value: Union[float, int, str]) -> float:
         return float("nan")
 
 
+# Longer timeouts count as this (31 years): the threads' waits cannot take much more.
+MAX_TIMEOUT = 1e9
+
+
 def parse_timeout(value: Union[float, int, str], name: str) -> float:
+    """A positive number of seconds; above :data:`MAX_TIMEOUT` (in effect: never), that."""
     seconds = _number(value)
     if not seconds > 0 or math.isinf(seconds):
         raise ValueError(f"{name}={value!r} is not a timeout: use a positive number of seconds")
-    return seconds
+    return min(seconds, MAX_TIMEOUT)
 
 
 def parse_milliseconds(value: Union[float, int, str], name: str) -> float:
@@ -246,7 +255,10 @@ ENVIRONMENT_OF = {field: name for name, field in _ENVIRONMENT.items()}
 
 
 def _parse_options(overrides: Mapping[str, Any]) -> dict:
-    unknown = set(overrides) - set(_PARSERS)
+    unknown = sorted(set(overrides) - set(_PARSERS))
     if unknown:
-        raise TypeError(f"unknown scheduler option(s) {sorted(unknown)}; known: {sorted(_PARSERS)}")
+        hints = [f"{close[0]!r} for {name!r}" for name in unknown
+                 for close in [difflib.get_close_matches(name, _PARSERS, n=1, cutoff=0.5)] if close]
+        raise TypeError(f"unknown scheduler option(s) {unknown}" + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                        + f"; use one of {sorted(_PARSERS)}")
     return {name: _PARSERS[name](value, name) for name, value in overrides.items() if value is not None}

@@ -45,6 +45,11 @@ class MismatchError(CommunicationError):
     """Ranks disagree about what is communicated (tensor sizes, keys or order)."""
 
 
+class RankFailed(ByteSchedulerError):
+    """Another rank failed for a cause of its own (a bad argument, a bad setting); the message
+    names the rank and its error. That rank raised the error itself."""
+
+
 class CallbackError(ByteSchedulerError):
     """A done-callback of a task raised; the original exception is the ``__cause__``."""
 

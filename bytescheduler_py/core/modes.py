@@ -21,21 +21,25 @@ rank 0 proposed (an adapter's one small collective).
 ...     chooser.record(times[chooser.mode])
 ...     if chooser.end_step():
 ...         chooser.adopt(chooser.propose())
->>> chooser.mode, chooser.decisions
-('plain', 1)
+>>> chooser.mode, chooser.decisions, chooser.choices
+('plain', 2, 1)
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import as_library_error
 
 SCHEDULED = "scheduled"
 PLAIN = "plain"
 MODES = (SCHEDULED, PLAIN)
 
-# What rank 0 proposes at a decision point (small integers, for a collective).
+# What rank 0 proposes at a decision point (small integers, for a collective). A proposal
+# may also carry the length of the trials to come: ``code + 4 * steps`` (:func:`encode`).
 CONTINUE, CHOOSE_SCHEDULED, CHOOSE_PLAIN, STOP = 0, 1, 2, 3
 _CHOICE = {SCHEDULED: CHOOSE_SCHEDULED, PLAIN: CHOOSE_PLAIN}
 
@@ -44,6 +48,21 @@ _WARMUP, _TRIAL, _HOLD, _RETRIAL, _FIXED = "warmup", "trial", "hold", "retrial",
 # ModeChooser's keyword arguments for the chooser of every adapter (:func:`new_chooser`);
 # tests shorten its phases to see many switches in a few steps.
 CHOOSER_OPTIONS: Dict[str, Any] = {}
+
+
+# In a CHOOSE proposal, the "steps" that mean: chosen by a clear difference (a longer hold).
+CLEAR = 1
+
+
+def encode(code: int, steps: int = 0) -> int:
+    """A proposal: ``code`` (CONTINUE, CHOOSE_*, STOP) and, if not 0, the trials' length in
+    steps (CONTINUE) or :data:`CLEAR` (CHOOSE_*)."""
+    return code + 4 * steps
+
+
+def decode(proposal: int) -> Tuple[int, int]:
+    """``(code, steps)`` of a proposal (see :func:`encode`)."""
+    return proposal % 4, proposal // 4
 
 
 def _other(mode: str) -> str:
@@ -55,14 +74,20 @@ class ModeChooser:
 
     Args:
         warmup: steps before the first trial (first iterations are slow), in the scheduled mode.
+            Its end is a decision point: rank 0 sets the trials' length from the warm-up's
+            step times, so a trial lasts at least ``trial_seconds``.
         settle: steps after each switch that are not timed (the switch drains the pipeline).
-        trial: timed steps per trial phase.
+        trial: timed steps per trial phase, at least (at most ``max_trial``).
         pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
             difference larger than ``clear`` decides at once.
         hold: steps the faster path runs before the slower one is tried again; doubled each
-            time the re-trial confirms the choice, up to ``max_hold``.
+            time the re-trial confirms the choice, up to ``max_hold``. A first choice by a
+            difference larger than ``clear`` holds ``clear_hold`` times as long (a re-trial
+            of a clearly slower path costs the most, and its verdict is least in doubt).
         margin: the scheduled path is kept only when its median step is faster than the
-            plain path's by more than this fraction (ties go to the cheaper, plain path).
+            plain path's by more than this fraction, and by more than the measured noise
+            (two and a half standard errors of the medians): ties, and differences the
+            samples cannot tell apart, go to the cheaper, plain path.
         clear: a difference this large decides after one trial pair.
 
     Times are seconds per step, recorded on rank 0 only (other ranks never call
@@ -70,14 +95,18 @@ class ModeChooser:
     """
 
     def __init__(self, warmup: int = 3, settle: int = 1, trial: int = 4, pairs: int = 3, hold: int = 200,
-                 max_hold: int = 3200, margin: float = 0.01, clear: float = 0.10) -> None:
-        if min(warmup, trial, pairs, hold) < 1 or settle < 0:
-            raise ValueError("warmup, trial, pairs and hold must be at least 1 and settle at least 0")
+                 max_hold: int = 3200, margin: float = 0.01, clear: float = 0.10, trial_seconds: float = 0.5,
+                 max_trial: int = 64, clear_hold: int = 4) -> None:
+        if min(warmup, trial, pairs, hold) < 1 or settle < 0 or max_trial < trial or trial_seconds < 0:
+            raise ValueError("warmup, trial, pairs and hold must be at least 1, settle and trial_seconds at "
+                             "least 0, and max_trial at least trial")
         self.settle, self.trial, self.pairs = settle, trial, pairs
-        self.first_hold, self.max_hold = hold, max_hold
+        self.min_trial, self.max_trial, self.trial_seconds = trial, max_trial, trial_seconds
+        self.first_hold, self.max_hold, self.clear_hold = hold, max_hold, clear_hold
         self.margin, self.clear = margin, clear
         self.mode = SCHEDULED
         self.decisions = 0  # decision points passed
+        self.choices = 0  # decision points that chose a mode (0: still choosing the first)
         self._runs: List[List] = []  # [mode, steps] of the steps ended, run-length encoded
         self._phase = _WARMUP
         self._length = warmup
@@ -112,9 +141,6 @@ class ModeChooser:
         self._done += 1
         if self._done < self._length:
             return False
-        if self._phase == _WARMUP:
-            self._start(_TRIAL, SCHEDULED, self.trial)
-            return False
         if self._phase == _HOLD:
             self._start(_RETRIAL, _other(self.mode), self.trial)
             return False
@@ -125,23 +151,29 @@ class ModeChooser:
         if self._phase == _TRIAL:
             self._trials[PLAIN] += self._samples
             self._pairs_run += 1
-        return True  # a trial pair or a re-trial is complete
+        return True  # the warm-up, a trial pair or a re-trial is complete
 
     def adopt(self, proposal: int) -> None:
         """Apply rank 0's :meth:`propose` at a decision point (on every rank alike)."""
         self.decisions += 1
-        if proposal == STOP:
+        code, extra = decode(proposal)
+        if code == STOP:
             self._phase, self.mode = _FIXED, SCHEDULED
             return
-        if proposal == CONTINUE:
-            if self._phase != _TRIAL:
-                raise ValueError("CONTINUE is only proposed after a trial pair")
+        if code == CONTINUE:
+            if self._phase not in (_WARMUP, _TRIAL):
+                raise ValueError("CONTINUE is only proposed after the warm-up or a trial pair")
+            if extra:
+                self.trial = extra  # the trials' length, from rank 0's warm-up
             self._start(_TRIAL, SCHEDULED, self.trial)
             return
-        chosen = SCHEDULED if proposal == CHOOSE_SCHEDULED else PLAIN
+        chosen = SCHEDULED if code == CHOOSE_SCHEDULED else PLAIN
+        self.choices += 1
         if self._phase == _RETRIAL:
             confirmed = chosen != self.mode  # the re-trial ran the other mode
             self._hold = min(self._hold * 2, self.max_hold) if confirmed else self.first_hold
+        elif extra == CLEAR:
+            self._hold = min(self.first_hold * self.clear_hold, self.max_hold)
         self._trials = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._held = []
@@ -159,7 +191,7 @@ class ModeChooser:
 
     def record(self, seconds: Optional[float]) -> None:
         """Rank 0: the step now ending took ``seconds`` (None: unknown, e.g. the first step)."""
-        if seconds is None or self._phase in (_WARMUP, _FIXED):
+        if seconds is None or self._phase == _FIXED:
             return
         if self._done < self._settling:
             return
@@ -169,21 +201,27 @@ class ModeChooser:
 
     def propose(self) -> int:
         """Rank 0 at a decision point: what every rank should do next."""
+        if self._phase == _WARMUP:
+            step = _median(self._samples[1:] or self._samples)  # the first step is the slowest
+            steps = self.min_trial if not step else math.ceil(self.trial_seconds / step)
+            return encode(CONTINUE, max(self.min_trial, min(self.max_trial, steps)))
         if self._phase == _RETRIAL:
-            held, tried = _median(self._held), _median(self._samples)
-            if held is None or tried is None:
+            if not self._held or not self._samples:
                 return _CHOICE[_other(self.mode)]  # nothing to compare: back to the held mode
-            return _CHOICE[self._faster({self.mode: tried, _other(self.mode): held})]
-        scheduled, plain = _median(self._trials[SCHEDULED]), _median(self._trials[PLAIN])
-        if scheduled is None or plain is None:
+            return _CHOICE[self._faster({self.mode: self._samples, _other(self.mode): self._held})]
+        samples = self._trials
+        if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
-        medians = {SCHEDULED: scheduled, PLAIN: plain}
-        if self._pairs_run < self.pairs and abs(scheduled - plain) < self.clear * max(scheduled, plain):
+        scheduled, plain = _median(samples[SCHEDULED]), _median(samples[PLAIN])
+        clear = abs(scheduled - plain) >= self.clear * max(scheduled, plain)
+        if self._pairs_run < self.pairs and not clear:
             return CONTINUE
-        return _CHOICE[self._faster(medians)]
+        return encode(_CHOICE[self._faster(samples)], CLEAR if clear else 0)
 
-    def _faster(self, medians: Dict[str, float]) -> str:
-        return SCHEDULED if medians[SCHEDULED] < medians[PLAIN] * (1.0 - self.margin) else PLAIN
+    def _faster(self, samples: Dict[str, List[float]]) -> str:
+        scheduled, plain = _median(samples[SCHEDULED]), _median(samples[PLAIN])
+        margin = max(self.margin, 2.5 * (_relative_error(samples[SCHEDULED]) + _relative_error(samples[PLAIN])) / 2)
+        return SCHEDULED if scheduled < plain * (1.0 - margin) else PLAIN
 
 
 def new_chooser() -> ModeChooser:
@@ -195,6 +233,15 @@ def _median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
+def _relative_error(values: List[float]) -> float:
+    """The standard error of the median of ``values``, relative to it (robust: from the MAD)."""
+    if len(values) < 2:
+        return 0.0
+    middle = statistics.median(values)
+    spread = 1.4826 * statistics.median(abs(v - middle) for v in values)
+    return 1.2533 * spread / math.sqrt(len(values)) / middle if middle > 0 else 0.0
+
+
 class ModeDriver:
     """Runs a :class:`ModeChooser` at the end of every step of an adapter.
 
@@ -202,9 +249,11 @@ class ModeDriver:
     ``agree(proposal, veto) -> decision``, a collective of the adapter's (rank 0's proposal,
     or :data:`STOP` if any rank vetoes), and adopts the answer. ``drain()`` is called before
     that collective and before leaving the scheduled path, so nothing of the scheduled path
-    is in flight when the ranks agree or switch.
+    is in flight when the ranks agree or switch. A failed agreement (a peer died, or hangs past
+    the collective's timeout) raises :class:`~bytescheduler.core.errors.CommunicationError`
+    naming ``rank``.
 
-    >>> ticks = iter([0.0, 1.0, 1.5, 1.5, 2.0])  # a scheduled step of 1 s, a plain one of 0.5 s
+    >>> ticks = iter([0.0, 0.0, 1.0, 1.5, 1.5, 2.0])  # a scheduled step of 1 s, a plain one of 0.5 s
     >>> driver = ModeDriver(ModeChooser(warmup=1, settle=0, trial=1, pairs=1), leader=True,
     ...                     agree=lambda proposal, veto: proposal, clock=lambda: next(ticks))
     >>> [driver.end_step(drain=lambda: None) for _ in range(4)]
@@ -212,9 +261,10 @@ class ModeDriver:
     """
 
     def __init__(self, chooser: ModeChooser, leader: bool, agree: Callable[[int, bool], int],
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, rank: int = 0) -> None:
         self.chooser = chooser
         self._leader = leader
+        self._rank = rank
         self._agree = agree
         self._clock = clock
         self._last: Optional[float] = None
@@ -234,7 +284,11 @@ class ModeDriver:
             if old == SCHEDULED:
                 drain()
             proposal = self.chooser.propose() if self._leader else CONTINUE
-            self.chooser.adopt(self._agree(proposal, veto))
+            try:
+                decision = self._agree(proposal, veto)
+            except Exception as error:  # noqa: BLE001 - a peer died or hangs: say so, as every failure
+                raise as_library_error(error, self._rank) from error
+            self.chooser.adopt(decision)
             if self._leader:
                 self._last = self._clock()  # the agreement's wait is no step's time
         if self.chooser.mode != old and old == SCHEDULED:

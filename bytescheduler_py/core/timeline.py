@@ -35,6 +35,24 @@ def timeline_path(path: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
+def _open(configured: str, path: str, mode: str) -> Any:
+    try:
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        return open(path, mode, encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"timeline={configured!r} (BYTESCHEDULER_TIMELINE): cannot write {path} "
+                         f"({error.strerror or error}); give a path in a writable folder") from error
+
+
+def check_writable(path: Optional[str], rank: int) -> None:
+    """Raise a clear ``ValueError`` now if ``rank``'s timeline file could not be written later
+    (so that an adapter reports it before the ranks start working together)."""
+    if path:
+        _open(path, timeline_path(path, rank), "a").close()
+
+
 class Timeline:
     """Collects trace events and writes them as valid JSON on :meth:`close`.
 
@@ -48,10 +66,7 @@ class Timeline:
     def __init__(self, path: str, rank: int) -> None:
         self.path = timeline_path(path, rank)
         self.rank = rank
-        directory = os.path.dirname(self.path)
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")
+        self._file = _open(path, self.path, "w")
         self._file.write("[\n")
         self._first = True
         self._events: List[Dict[str, Any]] = []

@@ -274,7 +274,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
 
     def _new_driver(self, config: SchedulerConfig) -> Optional[ModeDriver]:
         if config.adaptive and not config.auto_tune and self._num_workers > 1:
-            return ModeDriver(new_chooser(), self._rank == 0, StoreAgreement(self._inner, self._rank, self._layout))
+            return ModeDriver(new_chooser(), self._rank == 0, StoreAgreement(self._inner, self._rank, self._layout),
+                              rank=self._rank)
         return None
 
     def _run_jobs(self, jobs: List[Job], wait: Callable[[Job], bool] = lambda job: True) -> None:

@@ -123,7 +123,8 @@ class StoreAgreement:
         self._inner.init(key, mx.nd.array([proposal if self._rank == 0 else 0], dtype="float32"))
         out = mx.nd.zeros((1,), dtype="float32")
         self._inner.pull(key, out=out)
-        decided = int(out.asnumpy()[0])
-        if not 0 <= decided <= STOP:
+        value = float(out.asnumpy()[0])
+        decided = int(value)
+        if decided != value or decided < 0:
             raise ValueError(f"rank {self._rank}: the mode switch read decision {decided} from the store")
         return decided

@@ -51,17 +51,19 @@ class ModeSwitch:
 
     Args:
         setup: the adapter's reducer and agreement.
-        leader: this rank decides (times its steps and proposes).
+        rank: this process's rank (rank 0 decides: it times its steps and proposes).
         states: the engine's parameter states (``key``, ``param``, ``priority``), live.
         passes: backward passes accumulated before a gradient counts as complete.
     """
 
-    def __init__(self, setup: PlainSetup, leader: bool, states: Dict[int, Any], passes: int,
+    def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        leader = rank == 0
         self.chooser = new_chooser()
-        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock)
+        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
         self._setup = setup
         self._states = states
+        self._rank = rank
         self._passes = passes
         self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
@@ -93,7 +95,7 @@ class ModeSwitch:
         members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
                    for s in reversed(ordered)]
         buckets = assign_buckets(members, self._setup.first_bytes, self._setup.bucket_bytes)
-        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]))
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank)
 
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""

@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 
 from ..core import Scheduler, SchedulerConfig, Task
+from ..core.errors import SchedulerClosed, as_library_error
+from ..core.timeline import check_writable
 from ..core.modes import PLAIN, ModeDriver, new_chooser
 from .plain import torch_agreement
 from .layout import param_layout
-from .session import TorchSession
+from .session import TorchSession, agree_settings
 
 # DDP ends an iteration only when every bucket is averaged, so no order within the
 # iteration can shorten it; splitting buckets only adds operations (on loopback the
@@ -59,19 +61,30 @@ class ScheduledHookState:
         config: Optional[SchedulerConfig] = None,
         **options: Any,
     ) -> None:
-        self._session = TorchSession(process_group, SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options),
-                                     layout=None if model is None else param_layout(model))
-        config = self._session.config  # rank 0's shared settings
+        def build():
+            if model is not None and not isinstance(model, torch.nn.Module):
+                raise TypeError(f"model must be the torch.nn.Module DDP wraps (for priorities), or None, "
+                                f"not {type(model).__name__}")
+            settings = SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options)
+            check_writable(settings.timeline, dist.get_rank(process_group))
+            return settings, None if model is None else param_layout(model)
+
+        # Checked, then agreed with the other ranks: an error on one rank reaches every rank.
+        agreed = agree_settings(process_group, build)  # None outside the group: an inert state
+        settings = agreed if agreed is not None else SchedulerConfig.build(config, defaults=HOOK_DEFAULTS, **options)
+        self._session = TorchSession(process_group, settings)
         self.scheduler: Optional[Scheduler] = self._session.scheduler
         self.world_size = self._session.world_size
         self.sparse_group = self._session.groups.sparse if self._session.groups is not None else None
         self.driver: Optional[ModeDriver] = None  # the mode switch (None: always scheduled)
         self.plain = False  # this iteration's buckets take DDP's own path
         self._iterations = 0
-        if self.scheduler is not None and config.adaptive and not config.auto_tune and self.world_size > 1:
+        self.closed = False
+        if self.scheduler is not None and settings.adaptive and not settings.auto_tune and self.world_size > 1:
             self._lane = self._session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
             self.driver = ModeDriver(new_chooser(), self._session.groups.rank == 0,
-                                     torch_agreement(self._lane, self._session.groups.backend))
+                                     torch_agreement(self._lane, self._session.groups.backend),
+                                     rank=self._session.groups.rank)
         self._positions: Optional[Dict[int, int]] = None
         if model is not None:
             self._positions = {id(p): i for i, p in enumerate(model.parameters())}
@@ -97,8 +110,11 @@ class ScheduledHookState:
         """Stop the scheduler; every rank of the group calls it.
 
         ``wait=True`` first finishes pending communication; ``wait=False`` abandons it
-        (after an exception in the training loop).
+        (after an exception in the training loop). Closing twice does nothing.
         """
+        if self.closed:
+            return
+        self.closed = True
         self._session.close(wait=wait)
 
     def __enter__(self) -> "ScheduledHookState":
@@ -117,6 +133,9 @@ def scheduled_allreduce_hook(
     """
     if state.scheduler is None:
         raise RuntimeError("this process is not a member of the hook state's process group")
+    if state.closed:
+        raise SchedulerClosed("the ScheduledHookState was closed: DDP cannot average through it any more; "
+                              "register the hook with a new ScheduledHookState, or close after the last step")
     if bucket.index() == 0:  # the first bucket of an iteration: a step begins
         state.begin_iteration()
     buffer = bucket.buffer()
@@ -125,8 +144,12 @@ def scheduled_allreduce_hook(
         # A sparse bucket (nn.Embedding(sparse=True)) cannot be cut into pieces: it goes on a
         # gloo group of its own, in DDP's bucket order, the same on every rank.
         group = state.sparse_group if buffer.is_sparse else state._lane
-        work = dist.all_reduce(buffer, group=group, async_op=True)
-        return work.get_future().then(_first_value)
+        rank = state._session.groups.rank
+        try:
+            work = dist.all_reduce(buffer, group=group, async_op=True)
+        except Exception as error:  # noqa: BLE001 - a peer died or the network failed: say so
+            raise as_library_error(error, rank) from error
+        return work.get_future().then(lambda future: _first_value(future, rank))
     ready = None
     if buffer.is_cuda:
         ready = torch.cuda.Event()
@@ -153,8 +176,11 @@ def scheduled_allreduce_hook(
     return outcome.then(_buffer_or_raise)
 
 
-def _first_value(future: torch.futures.Future) -> torch.Tensor:
-    return future.value()[0]
+def _first_value(future: torch.futures.Future, rank: int) -> torch.Tensor:
+    try:
+        return future.value()[0]
+    except Exception as error:  # noqa: BLE001 - raised inside then(), which DDP reports as the error
+        raise as_library_error(error, rank) from error
 
 
 def _buffer_or_raise(future: torch.futures.Future) -> torch.Tensor:

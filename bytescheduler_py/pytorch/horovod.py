@@ -32,7 +32,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core import Scheduler, SchedulerConfig
-from ..core.agreement import agree
+from ..core.agreement import attempt, settle
 from ..core.backend import Done
 from ..core.config import parse_bool
 from ..core.errors import CommunicationTimeout
@@ -40,11 +40,12 @@ from ..core.modes import STOP
 from ..core.ordering import read_frame
 from ..core.tcp_channel import TcpOrderChannel, connect
 from ..core.task import Operation
+from ..core.timeline import check_writable
 from .adaptive import PlainSetup
 from .optimizer import wrap_optimizer
 from .order import frame_tensors
 from .layout import param_layout
-from .overlap import OverlapEngine
+from .overlap import OverlapEngine, check_arguments
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.
@@ -249,10 +250,10 @@ def _order_channel(prefix: str, timeout: float) -> Any:
 def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
     """The user's optimizer class under Horovod's dynamic subclass, and its accumulation count.
 
-    Horovod's ``DistributedOptimizer`` is recognised by its public methods, its own
-    gradient hooks are turned off through its public ``set_backward_passes_per_step``
-    (a countdown that never reaches zero: the hooks, registered on the autograd graph,
-    cannot be removed), and ``op``, ``gradient_predivide_factor`` and ``process_set`` are
+    Horovod's ``DistributedOptimizer`` is recognised by its public methods; its own
+    gradient hooks are turned off later (:func:`_silence`) through its public
+    ``set_backward_passes_per_step`` (a countdown that never reaches zero: the hooks,
+    registered on the autograd graph, cannot be removed), and ``op``, ``gradient_predivide_factor`` and ``process_set`` are
     public attributes. Horovod has no public accessor for two settings we must refuse, so
     only these two private fields are read: ``_compression`` and ``_groups``.
     """
@@ -270,10 +271,16 @@ def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
         raise ValueError("bytescheduler does not support gradient_predivide_factor; leave it at 1.0")
     if getattr(optimizer, "process_set", hvd.global_process_set) is not hvd.global_process_set:
         raise ValueError("bytescheduler supports Horovod's global process set only")
+    return type(optimizer).__bases__[0], int(optimizer.backward_passes_per_step)
+
+
+def _silence(optimizer: torch.optim.Optimizer, base: type) -> None:
+    """Turn off the gradient hooks of a Horovod ``DistributedOptimizer`` (see :func:`_unwrap`)."""
+    if base is type(optimizer):
+        return  # a plain torch optimizer
     passes = int(optimizer.backward_passes_per_step)
     optimizer.set_backward_passes_per_step(_NEVER)
     optimizer.backward_passes_per_step = passes  # what the user set stays readable
-    return type(optimizer).__bases__[0], passes
 
 
 def ScheduledOptimizer(
@@ -303,18 +310,30 @@ def ScheduledOptimizer(
 
     Returns an instance of the user's optimizer class.
     """
-    if options.get("merge") is not None and parse_bool(options["merge"], "merge"):
-        raise ValueError("merge=True does not apply to Horovod, which fuses tensors itself "
-                         "(HOROVOD_FUSION_THRESHOLD); leave merge unset")
     del num_steps
-    if hasattr(optimizer, "_bytescheduler"):
-        raise TypeError("this optimizer is already wrapped by bytescheduler")
     init()
-    config = SchedulerConfig.build(config, defaults=HOROVOD_DEFAULTS, **options).with_options(merge=False)
-    if hvd.size() > 1:  # rank 0's shared settings, on the same model (core/agreement.py)
-        everyone = hvd.allgather_object((config, param_layout(model)), name="bytescheduler.settings")
-        config = agree(config, everyone, hvd.rank())
-    base, passes = _unwrap(optimizer)
+    unwrapped = {}
+
+    def build():
+        if options.get("merge") is not None and parse_bool(options["merge"], "merge"):
+            raise ValueError("merge=True does not apply to Horovod, which fuses tensors itself "
+                             "(HOROVOD_FUSION_THRESHOLD); leave merge unset")
+        if hasattr(optimizer, "_bytescheduler"):
+            raise TypeError("this optimizer is already wrapped by bytescheduler: use it as it is "
+                            "(wrapping it again would apply every update twice)")
+        unwrapped["base"], unwrapped["passes"] = _unwrap(optimizer)
+        check_arguments(model, optimizer, backward_passes_per_step or unwrapped["passes"])
+        settings = SchedulerConfig.build(config, defaults=HOROVOD_DEFAULTS, **options).with_options(merge=False)
+        check_writable(settings.timeline, hvd.rank())
+        return settings, param_layout(model)
+
+    # Checked, then agreed (rank 0's shared settings, the same model): an error on one rank
+    # reaches every rank, instead of a wait in Horovod's next collective (core/agreement.py).
+    report, failure = attempt(build)
+    reports = hvd.allgather_object(report, name="bytescheduler.settings") if hvd.size() > 1 else [report]
+    config = settle(reports, hvd.rank(), failure)
+    base, passes = unwrapped["base"], unwrapped["passes"]
+    _silence(optimizer, base)
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()

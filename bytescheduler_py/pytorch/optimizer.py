@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 from ..core import SchedulerConfig
+from ..core.timeline import check_writable
 from .adaptive import PlainSetup
-from .overlap import OverlapEngine
+from .overlap import OverlapEngine, check_arguments
 from .plain import FlatReducer, torch_agreement
 from .layout import param_layout
-from .session import TorchSession
+from .session import TorchSession, agree_settings
 from .sparse import gloo_all_reduce
 
 # A layer's gradients arrive milliseconds apart in backward; on a fast link each would go
@@ -136,35 +137,42 @@ def ScheduledOptimizer(
 
     Returns an instance of ``type(optimizer)``. Call ``close()`` on every rank at the end.
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            "ScheduledOptimizer takes the plain model, not a DistributedDataParallel wrapper "
-            "(it communicates the gradients itself); for DDP use the scheduled comm hook instead"
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    if hasattr(optimizer, "_bytescheduler"):
-        raise TypeError("this optimizer is already wrapped by bytescheduler")
-    config = SchedulerConfig.build(config, defaults=OPTIMIZER_DEFAULTS, **options)
+    def build():
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "ScheduledOptimizer takes the plain model, not a DistributedDataParallel wrapper "
+                "(it communicates the gradients itself); for DDP use the scheduled comm hook instead"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        if hasattr(optimizer, "_bytescheduler"):
+            raise TypeError("this optimizer is already wrapped by bytescheduler: use it as it is "
+                            "(wrapping it again would apply every update twice)")
+        check_arguments(model, optimizer, backward_passes_per_step)
+        settings = SchedulerConfig.build(config, defaults=OPTIMIZER_DEFAULTS, **options)
+        check_writable(settings.timeline, dist.get_rank(process_group))
+        return settings, param_layout(model)
+
+    # Checked, then agreed with the other ranks: an error on one rank reaches every rank.
+    agreed = agree_settings(process_group, build)
+    if agreed is None:
+        raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
 
     def prepare(groups) -> None:
         if broadcast_parameters:
             _broadcast_from_first(model, process_group, groups.ranks[0])
 
-    session = TorchSession(process_group, config, prepare, layout=param_layout(model))
-    if session.scheduler is None:
-        raise ValueError("this process is not a member of process_group; only members create a ScheduledOptimizer")
-    config = session.config  # rank 0's shared settings
+    session = TorchSession(process_group, agreed, prepare)
 
     plain = None
-    if config.adaptive and not config.auto_tune and session.world_size > 1:
+    if agreed.adaptive and not agreed.auto_tune and session.world_size > 1:
         lane = session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
         plain = PlainSetup(FlatReducer(lane, session.world_size), torch_agreement(lane, session.groups.backend))
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
             model, optimizer, base, session.scheduler, session.world_size, prescale=True,
-            backward_passes_per_step=backward_passes_per_step, timeout=config.timeout,
+            backward_passes_per_step=backward_passes_per_step, timeout=agreed.timeout,
             on_close=session.release, plain=plain, sparse=gloo_all_reduce(session.groups.sparse),
         )
 

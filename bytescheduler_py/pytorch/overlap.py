@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from ..core import Scheduler, Task
-from ..core.errors import ByteSchedulerError, CommunicationTimeout, ErrorLatch
+from ..core.errors import ByteSchedulerError, CommunicationTimeout, ErrorLatch, SchedulerClosed
 from ..core.log import logger
 from .adaptive import ModeSwitch, PlainSetup
 from .heap import raise_malloc_thresholds
@@ -105,8 +105,7 @@ class OverlapEngine:
         plain: Optional[PlainSetup] = None,
         sparse: Optional[Average] = None,
     ) -> None:
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be at least 1")
+        check_arguments(model, optimizer, backward_passes_per_step)
         self.scheduler = scheduler
         self.world_size = world_size
         self.prescale = prescale
@@ -138,7 +137,7 @@ class OverlapEngine:
         self._register_params(0)
         self.guard_reads = guard_reads
         self.plain = False  # the plain path runs (see adaptive.py)
-        self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank == 0, self.states,
+        self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank, self.states,
                                                              backward_passes_per_step)
         for module in model.modules():
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
@@ -295,6 +294,11 @@ class OverlapEngine:
     def step(self) -> None:
         """Record this step's hyperparameters; updates follow as gradients arrive."""
         self._latch.raise_if_set()
+        if self._closed:
+            raise SchedulerClosed(
+                "step() after close(): this ScheduledOptimizer no longer communicates, so the step "
+                "would update from this rank's gradients alone; create a new ScheduledOptimizer "
+                "(close() belongs after the last step)")
         if self.plain:
             self._switch.plain_step(self)
             return
@@ -466,6 +470,23 @@ class OverlapEngine:
             finally:
                 if self._on_close is not None:
                     self._on_close()
+
+
+def check_arguments(model: Any, optimizer: Any, backward_passes_per_step: Any) -> None:
+    """Refuse arguments that would train wrong or fail later, naming the fix (before any collective)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (the one the optimizer trains), not {type(model).__name__}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int of at least 1 "
+                         "(the backward passes accumulated before each step)")
+    ours = {id(p) for p in model.parameters()}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in ours:
+                raise ValueError(
+                    f"the optimizer's parameter of shape {tuple(param.shape)} (group {index}) is not a "
+                    "parameter of model: pass the model whose parameters the optimizer trains")
 
 
 def undeclared_sparse(name: str) -> str:

@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 import torch
 
+from ..core.errors import as_library_error
+
 
 class Reducer(Protocol):
     """Averages buckets of gradients in place (the framework's own collective)."""
@@ -71,16 +73,19 @@ class PlainPath:
         reducer: the framework's collective.
         prepare: key -> the parameter's gradient made ready to join a bucket (checked,
             contiguous), or None when the parameter has no gradient; the reducer scales.
+        rank: this process's rank, in the :class:`~bytescheduler.core.errors.CommunicationError`
+            that a failed collective becomes.
 
     Not thread-safe: the training thread (backward's hooks, ``step``) is its only caller.
     """
 
     def __init__(self, buckets: List[List[int]], reducer: Reducer,
-                 prepare: Callable[[int], Optional[torch.Tensor]]) -> None:
+                 prepare: Callable[[int], Optional[torch.Tensor]], rank: int = 0) -> None:
         self._buckets = [_Bucket(i, keys) for i, keys in enumerate(buckets)]
         self._bucket_of = {key: bucket for bucket in self._buckets for key in bucket.keys}
         self._reducer = reducer
         self._prepare = prepare
+        self._rank = rank
         self._next = 0  # the next bucket to launch
         self._prepared: Dict[int, torch.Tensor] = {}
         self.finished = False  # every bucket averaged during backward (as DDP's end of backward)
@@ -130,7 +135,10 @@ class PlainPath:
 
     def _launch(self, bucket: _Bucket) -> None:
         items = [(key, self._prepared[key]) for key in bucket.keys if key in self._prepared]
-        bucket.handle = self._reducer.start(items) if items else None
+        try:
+            bucket.handle = self._reducer.start(items) if items else None
+        except Exception as error:  # noqa: BLE001 - a failed collective: a peer died or the network failed
+            raise as_library_error(error, self._rank) from error
         bucket.launched = True
         self._next = bucket.index + 1
 
@@ -142,7 +150,10 @@ class PlainPath:
         for bucket in self._buckets:
             if bucket.handle is not None:
                 handle, bucket.handle = bucket.handle, None
-                self._reducer.wait(handle)
+                try:
+                    self._reducer.wait(handle)
+                except Exception as error:  # noqa: BLE001 - as in _launch
+                    raise as_library_error(error, self._rank) from error
 
 
 class FlatReducer:

@@ -9,50 +9,69 @@ of :class:`~bytescheduler.pytorch.groups.ProcessGroups`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..core.agreement import ParamInfo, agree
+from ..core.agreement import Layout, Report, attempt, settle
 from ..core.config import SchedulerConfig
 from ..core.scheduler import Scheduler
 from .backend import AllReduceBackend
 from .groups import ProcessGroups, require_initialized
 
 
-def agree_settings(process_group: Optional[Any], config: SchedulerConfig,
-                   layout: Optional[Sequence[ParamInfo]] = None) -> SchedulerConfig:
-    """Rank 0's shared settings, after checking that every member has the same ``layout``
-    (:mod:`bytescheduler.core.agreement`). Collective over the default group, like
-    ``dist.new_group``: a process outside ``process_group`` takes part and gets ``config``."""
+def agree_settings(process_group: Optional[Any],
+                   build: Callable[[], Tuple[SchedulerConfig, Layout]]) -> Optional[SchedulerConfig]:
+    """Run this process's ``build`` (argument checks, settings, model layout), then agree
+    with the other members of ``process_group`` (:mod:`bytescheduler.core.agreement`): rank
+    0's shared settings, the same layout, and no member failed. Collective over the default
+    group, like ``dist.new_group``: a process outside ``process_group`` takes part too and
+    gets None. A failure on one rank is raised there as itself and on the others as
+    :class:`~bytescheduler.core.errors.RankFailed` naming it, instead of a wait in the next
+    collective."""
     require_initialized()
-    group = dist.group.WORLD if process_group is None else process_group
-    member = group != dist.GroupMember.NON_GROUP_MEMBER
-    ranks = tuple(dist.get_process_group_ranks(group)) if member else None
+    ranks: Optional[Tuple[int, ...]] = None
+    failure: Optional[BaseException] = None
+    try:
+        ranks = member_ranks(process_group)
+    except Exception as error:  # noqa: BLE001 - reported to the others below, raised here
+        failure = error
+        report: Report = (None, None, f"{type(error).__name__}: {error}")
+    if failure is None:
+        report, failure = attempt(build) if ranks is not None else ((None, None, None), None)
     items: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(items, (ranks, config, None if layout is None else list(layout)) if member else None)
-    if not member:
-        return config
+    dist.all_gather_object(items, (ranks, report))
+    if ranks is None:  # not a member (or a bad process_group, raised below)
+        if failure is not None:
+            raise failure
+        return None
     # Processes may pass different groups (disjoint data-parallel groups): mine, in group order.
-    everyone = [(items[r][1], items[r][2]) for r in ranks]
-    return agree(config, everyone, ranks.index(dist.get_rank()))
+    return settle([items[r][1] for r in ranks], ranks.index(dist.get_rank()), failure)
+
+
+def member_ranks(process_group: Optional[Any]) -> Optional[Tuple[int, ...]]:
+    """The global ranks of ``process_group`` (None: the world), or None on a process outside it."""
+    if process_group is None:
+        return tuple(range(dist.get_world_size()))
+    if process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed process group (from dist.new_group) or "
+                        f"None for the whole world, not {type(process_group).__name__}")
+    return tuple(dist.get_process_group_ranks(process_group))
 
 
 class TorchSession:
-    """Agrees on the settings, claims groups for ``process_group``, makes the backend and
-    starts a scheduler on them.
+    """Claims groups for ``process_group``, makes the backend and starts a scheduler on them.
 
     Collective over the default group (see :meth:`ProcessGroups.claim`). On a process
     outside ``process_group``, ``scheduler`` is None. ``prepare(groups)`` runs before the
     scheduler starts (e.g. to broadcast rank 0's parameters); if anything fails the groups
-    are released again. ``config`` is what every member runs with: rank 0's shared settings
-    (:func:`agree_settings`; ``layout`` is compared too).
+    are released again. ``config`` is what the members agreed (:func:`agree_settings`).
     """
 
     def __init__(self, process_group: Optional[Any], config: SchedulerConfig,
-                 prepare: Optional[Callable[[ProcessGroups], None]] = None,
-                 layout: Optional[Sequence[ParamInfo]] = None) -> None:
-        config = agree_settings(process_group, config, layout)
+                 prepare: Optional[Callable[[ProcessGroups], None]] = None) -> None:
         self.config = config
         self.groups = ProcessGroups.claim(process_group, timeout=config.timeout)
         self.scheduler: Optional[Scheduler] = None
