@@ -105,7 +105,7 @@ def test_an_error_of_the_users_update_reaches_the_training_thread_as_itself():
 
 def _busy_under_concurrent_transitions(rank, world_size):
     import bytescheduler.pytorch as bsp
-    from bytescheduler.pytorch.overlap import IDLE, QUEUED
+    from bytescheduler.pytorch.params import IDLE, QUEUED
 
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show at once
     models = [torch.nn.Linear(4, 4) for _ in range(2)]
@@ -144,7 +144,7 @@ def test_two_optimizers_in_one_process_keep_their_busy_counts_apart():
 
 def test_updates_are_batched_by_group_and_step_in_forward_order_and_size():
     from bytescheduler.pytorch import updates
-    from bytescheduler.pytorch.overlap import _ParamState
+    from bytescheduler.pytorch.params import ParamState as _ParamState
     from bytescheduler.pytorch.updates import batches as _batches
 
     def state(key, numel, priority, group=0, step=1):

@@ -28,7 +28,7 @@ rank 1: partition_bytes (BYTESCHEDULER_PARTITION) is 1024 here but 4194304 on ra
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .config import ENVIRONMENT_OF, SchedulerConfig
 from .errors import ByteSchedulerError, RankFailed

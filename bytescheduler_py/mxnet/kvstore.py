@@ -50,13 +50,13 @@ import mxnet as mx
 from ..core.agreement import from_rank_0
 from ..core.config import SchedulerConfig, Size, parse_bool, parse_size
 from ..core.errors import ByteSchedulerError, ErrorLatch
-from ..core.modes import PLAIN, ModeDriver, new_chooser
+from ..core.modes import ModeDriver
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel
 from .backend import Job, JobQueue, KVBackend
 from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_optimizer, key_pairs
 from .overlap import ForwardOverlap
-from .plain import PlainCalls, StepClock, StoreAgreement
+from .plain import StoreModes
 
 __all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "KVSTORE_DEFAULTS"]
 
@@ -156,11 +156,10 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._scheduler = Scheduler(self._backend, channel=self._channel, rank=self._rank, config=config,
                                     tuning={"min_partition_bytes": grain})
         self._jobs = JobQueue(self._scheduler, self._rank, config.timeout)
-        self._steps = StepClock()
-        self._plain_calls = PlainCalls(inner)
-        self._plain = False  # this step's calls go straight to the inner store
+        self._modes = StoreModes(inner, self._rank, self._num_workers, self._layout, self._scheduler, self.synchronize)
+        self._plain_calls = self._modes.calls
         self._config = config  # rank 0's shared settings once the first init connected the workers
-        self.driver: Optional[ModeDriver] = self._new_driver(config)  # the mode switch (None: always scheduled)
+        self._modes.configure(config)
         # Threads left running at exit would crash MXNet's shutdown: close at exit what is open.
         atexit.register(self.close)
 
@@ -270,13 +269,12 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             self._scheduler.set_timeout(agreed.timeout)
         if self._rank != 0:  # only rank 0 decides pieces; its sizes are the ones that count
             self._scheduler.reconfigure(agreed.partition_bytes, agreed.credit_bytes)
-        self.driver = self._new_driver(agreed)
+        self._modes.configure(agreed)
 
-    def _new_driver(self, config: SchedulerConfig) -> Optional[ModeDriver]:
-        if config.adaptive and not config.auto_tune and self._num_workers > 1:
-            return ModeDriver(new_chooser(), self._rank == 0, StoreAgreement(self._inner, self._rank, self._layout),
-                              rank=self._rank)
-        return None
+    @property
+    def driver(self) -> Optional[ModeDriver]:
+        """The mode switch (None: every step scheduled); see :mod:`bytescheduler.mxnet.plain`."""
+        return self._modes.driver if self._scheduled else None
 
     def _run_jobs(self, jobs: List[Job], wait: Callable[[Job], bool] = lambda job: True) -> None:
         self._forward.record(jobs)
@@ -313,8 +311,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             infos.append(info)
             values.append(arrays)
         self._send_optimizer()
-        self._begin_step(infos)
-        if self._plain:
+        if self._modes.begin_step(infos):
             self._plain_calls.push(infos, values, priority)
             return
         self._run_jobs([Job("push", info, arrays, [], priority) for info, arrays in zip(infos, values)])
@@ -331,7 +328,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             info.check(arrays, "out")
             infos.append(info)
             outs.append(arrays)
-        if self._plain:
+        if self._modes.plain:
             self._plain_calls.pull(infos, outs, priority, ignore_sparse)
             return
         self._run_jobs([Job("pull", info, [], arrays, priority, ignore_sparse) for info, arrays in zip(infos, outs)])
@@ -352,25 +349,11 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             values.append(arrays)
             outs.append(out_list)
         self._send_optimizer()
-        self._begin_step(infos)
-        if self._plain:
+        if self._modes.begin_step(infos):
             self._plain_calls.pushpull(infos, values, outs, priority)
             return
         jobs = [Job("pushpull", *args, priority) for args in zip(infos, values, outs)]
         self._run_jobs(jobs, lambda job: not self._forward.covered(job.outs, job.values))
-
-    def _begin_step(self, pushed: List[KeyInfo]) -> None:
-        """At a push: when it begins a training step, let the mode switch see the last one end."""
-        if not self._steps.begins(pushed):
-            return
-        if self.driver is not None and self._steps.steps > 1:
-            old = self.driver.mode
-            new = self.driver.end_step(drain=self.synchronize)
-            if new != old and old == PLAIN:
-                self._plain_calls.drain()  # the scheduled path waits for nothing of ours
-            self._plain = new == PLAIN
-        if not self._plain:
-            self._scheduler.step_boundary()
 
     # ------------------------------------------------------------------ optimizer
 

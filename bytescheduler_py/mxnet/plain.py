@@ -9,17 +9,20 @@ servers do the same arithmetic either way. Only one path runs at a time: the sto
 the scheduled path (or waits for the plain path's arrays) before it switches, so no two
 threads ever call the inner store at once.
 
-:class:`PlainCalls` makes the calls; :class:`StepClock` tells where a training step begins;
-:class:`StoreAgreement` carries rank 0's decision to every worker through the store itself.
+:class:`StoreModes` runs the switch: :class:`PlainCalls` makes the calls,
+:class:`StepClock` tells where a training step begins, :class:`StoreAgreement` carries rank
+0's decision to every worker through the store itself.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import mxnet as mx
 
-from ..core.modes import STOP
+from ..core.config import SchedulerConfig
+from ..core.modes import PLAIN, STOP, ModeDriver, new_chooser
+from ..core.scheduler import Scheduler
 from .backend import wait_to_write
 from .keys import DECISION_KEYS, KeyInfo, KeyLayout, flat, mx_args
 
@@ -128,3 +131,43 @@ class StoreAgreement:
         if decided != value or decided < 0:
             raise ValueError(f"rank {self._rank}: the mode switch read decision {decided} from the store")
         return decided
+
+
+class StoreModes:
+    """A ScheduledKVStore's mode switch: which path this step's calls take.
+
+    ``configure(settings)`` turns it on with ``adaptive`` (off with ``auto_tune``, which tunes
+    the schedule, and with one worker); the store calls it again with rank 0's settings once
+    the first ``init`` connected the workers. ``drain()`` waits for the scheduled path.
+    """
+
+    def __init__(self, inner: Any, rank: int, num_workers: int, layout: KeyLayout, scheduler: Scheduler,
+                 drain: Callable[[], None]) -> None:
+        self.calls = PlainCalls(inner)
+        self.plain = False  # this step's calls go straight to the inner store
+        self.driver: Optional[ModeDriver] = None
+        self._inner, self._rank, self._num_workers, self._layout = inner, rank, num_workers, layout
+        self._scheduler = scheduler
+        self._drain = drain
+        self._steps = StepClock()
+
+    def configure(self, settings: SchedulerConfig) -> None:
+        if settings.adaptive and not settings.auto_tune and self._num_workers > 1:
+            self.driver = ModeDriver(new_chooser(), self._rank == 0,
+                                     StoreAgreement(self._inner, self._rank, self._layout), rank=self._rank)
+        else:
+            self.driver = None
+
+    def begin_step(self, pushed: Sequence[KeyInfo]) -> bool:
+        """At a push of ``pushed``: when it begins a training step, let the switch see the last
+        one end. True when this call takes the plain path."""
+        if self._steps.begins(pushed):
+            if self.driver is not None and self._steps.steps > 1:
+                old = self.driver.mode
+                new = self.driver.end_step(drain=self._drain)
+                if new != old and old == PLAIN:
+                    self.calls.drain()  # the scheduled path waits for nothing of ours
+                self.plain = new == PLAIN
+            if not self.plain:
+                self._scheduler.step_boundary()
+        return self.plain

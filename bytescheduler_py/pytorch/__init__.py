@@ -16,7 +16,7 @@ from .backend import AllReduceBackend
 from .ddp_hook import ScheduledHookState, scheduled_allreduce_hook
 from .groups import ProcessGroups
 from .optimizer import ScheduledOptimizer
-from .overlap import GradientError
+from .errors import GradientError
 from .session import TorchSession
 
 __all__ = [

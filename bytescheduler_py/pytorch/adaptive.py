@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from ..core.modes import PLAIN, ModeDriver, new_chooser
+from .errors import GradientError, undeclared_sparse
 from .plain import PlainPath, Reducer, assign_buckets
 from .read_guard import ReadGuard
 from .updates import full_optimizer
@@ -132,8 +133,6 @@ def _gradient(state: Any) -> Optional[torch.Tensor]:
     if grad is None:
         return None
     if grad.is_sparse:
-        from .overlap import GradientError, undeclared_sparse
-
         raise GradientError(undeclared_sparse(state.name))
     if not grad.is_contiguous():
         grad = grad.contiguous()

@@ -45,7 +45,8 @@ from .adaptive import PlainSetup
 from .optimizer import wrap_optimizer
 from .order import frame_tensors
 from .layout import param_layout
-from .overlap import OverlapEngine, check_arguments
+from .errors import check_arguments
+from .overlap import OverlapEngine
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.

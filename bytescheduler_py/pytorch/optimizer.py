@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ..core import SchedulerConfig
 from ..core.timeline import check_writable
 from .adaptive import PlainSetup
-from .overlap import OverlapEngine, check_arguments
+from .errors import check_arguments
+from .overlap import OverlapEngine
 from .plain import FlatReducer, torch_agreement
 from .layout import param_layout
 from .session import TorchSession, agree_settings

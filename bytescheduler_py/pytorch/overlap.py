@@ -24,49 +24,22 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
+
 from ..core import Scheduler, Task
-from ..core.errors import ByteSchedulerError, CommunicationTimeout, ErrorLatch, SchedulerClosed
+from ..core.errors import CommunicationTimeout, ErrorLatch, SchedulerClosed
 from ..core.log import logger
 from .adaptive import ModeSwitch, PlainSetup
+from .errors import AGAIN, GradientError, check_arguments, undeclared_sparse
 from .heap import raise_malloc_thresholds
+from .params import COMMUNICATED, IDLE, QUEUED, ParamHooks, ParamState
 from .read_guard import ReadGuard, suspended
-from .sparse import Average, average_sparse, sparse_ids
-from .updates import Updater, batch_optimizer, sub_optimizer, zero_gradient
-
-IDLE, QUEUED, COMMUNICATED = 0, 1, 2
+from .sparse import Average, SparseParams
+from .updates import Updater, zero_gradient
 
 _WAIT_SLICE = 0.5  # seconds between checks for errors while waiting
-
-
-class GradientError(ByteSchedulerError):
-    """Gradients were used in a way that would silently train wrong; the message says how to fix it."""
-
-
-class _ParamState:
-    __slots__ = (
-        "param", "key", "name", "priority", "group", "sub", "stage", "step_number",
-        "passes", "grad", "version", "task", "zero_request", "discard", "sparse",
-    )
-
-    def __init__(self, param: torch.nn.Parameter, key: int, name: str, priority: int, group: int) -> None:
-        self.param = param
-        self.key = key
-        self.name = name
-        self.priority = priority
-        self.group = group
-        self.sub: Any = None
-        self.stage = IDLE
-        self.step_number = 0
-        self.passes = 0
-        self.grad: Optional[torch.Tensor] = None
-        self.version = 0
-        self.task: Optional[Task] = None
-        self.zero_request: Optional[bool] = None  # set_to_none flag of a deferred zero_grad
-        self.discard = False
-        self.sparse = False  # averaged at step(), outside the scheduler (sparse.py)
 
 
 class OverlapEngine:
@@ -120,21 +93,10 @@ class OverlapEngine:
         self._closed = False
         self.busy = 0  # parameters not IDLE (the read guard's fast check), under _cond
         self.guard_thread: Optional[int] = None
-        self._handles: List[Any] = []
-        self._accumulate_hooks: Dict[int, Any] = {}  # key -> handle of the pre-accumulation check
-        self.states: Dict[int, _ParamState] = {}
-
-        self._names = {id(p): name for name, p in model.named_parameters(remove_duplicate=True)}
-        self._order = {id(p): i for i, p in enumerate(model.parameters())}
-        self._sparse_ids = sparse_ids(model)
-        self._sparse_reduce = sparse
-        if self._sparse_ids and sparse is None:
-            names = sorted(self._names.get(i, "?") for i in self._sparse_ids)
-            raise GradientError(
-                f"parameters {names} get sparse gradients (a module with sparse=True), which this "
-                "adapter does not communicate: use sparse=False, or ScheduledOptimizer over "
-                "torch.distributed, which averages them as DDP does")
-        self._register_params(0)
+        self._sparse = SparseParams(model, sparse, world_size, prescale)
+        self._params = ParamHooks(model, optimizer, base, self._sparse, self._check_accumulate, self._on_gradient)
+        self.states: Dict[int, ParamState] = self._params.states
+        self.check_accumulation = self._params.check_accumulation
         self.guard_reads = guard_reads
         self.plain = False  # the plain path runs (see adaptive.py)
         self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank, self.states,
@@ -142,7 +104,7 @@ class OverlapEngine:
         for module in model.modules():
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
             if own:
-                self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(own)))
+                self._params.keep(module.register_forward_pre_hook(self._make_pre_hook(own)))
         # Gradients are freed while the next forward runs; keep glibc from returning their
         # memory to the kernel each time (see heap.py: ~5,000 page faults per iteration).
         raise_malloc_thresholds()
@@ -151,41 +113,9 @@ class OverlapEngine:
 
     # ------------------------------------------------------------------ registration
 
-    def _register_params(self, first_group: int) -> None:
-        """Hook the parameters of the optimizer's groups from ``first_group`` on."""
-        for group_index, group in enumerate(self._optimizer.param_groups[first_group:], start=first_group):
-            for param in group["params"]:
-                if id(param) in self.states or not param.requires_grad:
-                    continue
-                key = len(self.states)
-                priority = self._order.get(id(param), len(self._order) + key)
-                state = _ParamState(param, key, self._names.get(id(param), f"param{key}"), priority, group_index)
-                state.sub = sub_optimizer(self._optimizer, self._base, param, group)
-                state.sparse = id(param) in self._sparse_ids
-                self.states[id(param)] = state
-                self._hook_accumulation(state)
-                self._handles.append(param.register_post_accumulate_grad_hook(self._on_gradient))
-
-    def _hook_accumulation(self, state: _ParamState) -> None:
-        # Runs before autograd accumulates into p.grad: a gradient that would change p.grad
-        # while it is in flight or awaiting its update is refused there.
-        self._accumulate_hooks[state.key] = state.param.register_hook(
-            lambda grad, state=state: self._check_accumulate(state))
-
-    def check_accumulation(self, on: bool) -> None:
-        """Hook (or unhook) the pre-accumulation check of every parameter. The scheduled path
-        needs it; the plain path, where a Python call per parameter is measurable on small
-        models, checks in its own gradient hook instead."""
-        for state in self.states.values():
-            handle = self._accumulate_hooks.pop(state.key, None)
-            if handle is not None:
-                handle.remove()
-            if on:
-                self._hook_accumulation(state)
-
     def add_param_group(self, group_index: int) -> None:
         """Register the parameters of a group the user added after construction."""
-        self._register_params(group_index)
+        self._params.register(group_index)
         if self._switch is not None:
             self._switch.rebuild()
 
@@ -196,19 +126,19 @@ class OverlapEngine:
 
     # ------------------------------------------------------------------ gradients
 
-    def _set_stage(self, state: _ParamState, stage: int) -> None:
+    def _set_stage(self, state: ParamState, stage: int) -> None:
         """Move a parameter to ``stage`` and keep the busy count (lock held)."""
         if (state.stage == IDLE) != (stage == IDLE):
             self.busy += 1 if stage != IDLE else -1
         state.stage = stage
 
-    def _check_accumulate(self, state: _ParamState) -> None:
+    def _check_accumulate(self, state: ParamState) -> None:
         with self._cond:
             self._latch.raise_if_set()
             if state.stage == IDLE:
                 return
             if state.step_number > self._steps_called:
-                raise GradientError(_AGAIN.format(state.name))
+                raise GradientError(AGAIN.format(state.name))
             raise GradientError(
                 f"parameter {state.name!r} got a gradient while its update from the last step was "
                 "still pending; it was used without going through a module forward or a torch "
@@ -221,7 +151,7 @@ class OverlapEngine:
             return  # averaged at step()
         if self.plain:
             if not self._switch.gradient(state):
-                raise GradientError(_AGAIN.format(state.name))
+                raise GradientError(AGAIN.format(state.name))
             return
         with self._cond:
             state.passes += 1
@@ -229,7 +159,7 @@ class OverlapEngine:
                 return
         self._submit(state)
 
-    def _prepared_gradient(self, state: _ParamState) -> Optional[torch.Tensor]:
+    def _prepared_gradient(self, state: ParamState) -> Optional[torch.Tensor]:
         """The parameter's gradient, checked, contiguous and (``prescale``) divided by the world size."""
         param = state.param
         with self._cond:
@@ -247,7 +177,7 @@ class OverlapEngine:
                 grad.div_(self.world_size)
         return grad
 
-    def _submit(self, state: _ParamState) -> None:
+    def _submit(self, state: ParamState) -> None:
         grad = self._prepared_gradient(state)
         if grad is None:
             return
@@ -269,7 +199,7 @@ class OverlapEngine:
         future = self.scheduler.submit(task)
         future.add_done_callback(lambda done, state=state: self._on_communicated(state, done))
 
-    def _on_communicated(self, state: _ParamState, done) -> None:
+    def _on_communicated(self, state: ParamState, done) -> None:
         error = done.exception()
         with self._cond:
             if error is None and state.grad._version != state.version + state.task.writes:
@@ -326,18 +256,10 @@ class OverlapEngine:
             self._switch.end_step(self)
 
     def average_sparse(self, apply: bool) -> None:
-        """Average the sparse gradients now, in key order (every rank at the same step), and
-        with ``apply`` update those parameters with this step's hyperparameters."""
-        states = [s for s in self.states.values() if s.sparse]
-        if not states:
-            return
+        """Average the sparse gradients now (every rank at the same step); with ``apply``,
+        update those parameters too, with this step's hyperparameters."""
         with suspended():
-            average_sparse(states, self._sparse_reduce, self.world_size, self.prescale)
-            for state in states:
-                state.passes = 0
-                if apply and state.param.grad is not None:
-                    values = {k: v for k, v in self._optimizer.param_groups[state.group].items() if k != "params"}
-                    batch_optimizer([state], values).step()
+            self._sparse.step(self.states.values(), self._optimizer.param_groups, apply)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients now, or right after a pending update (which still needs them)."""
@@ -379,12 +301,12 @@ class OverlapEngine:
         if state is not None and state.stage != IDLE:
             self.wait_readable(state, gradient_only)
 
-    def wait_readable(self, state: _ParamState, gradient_only: bool = False) -> None:
+    def wait_readable(self, state: ParamState, gradient_only: bool = False) -> None:
         """Block until ``state``'s parameter may be read on the training thread."""
         with self._cond:
             self._wait_locked(lambda: self._readable(state, gradient_only), state.name)
 
-    def _readable(self, state: _ParamState, gradient_only: bool) -> bool:
+    def _readable(self, state: ParamState, gradient_only: bool) -> bool:
         if state.stage == IDLE:
             return True
         if state.step_number > self._steps_called:
@@ -392,7 +314,7 @@ class OverlapEngine:
             return not gradient_only or state.stage == COMMUNICATED
         return False
 
-    def _make_pre_hook(self, own: List[_ParamState]):
+    def _make_pre_hook(self, own: List[ParamState]):
         def wait_for_own_parameters(module, inputs):
             if self.busy:
                 for state in own:
@@ -425,7 +347,7 @@ class OverlapEngine:
 
     # ------------------------------------------------------------------ updates
 
-    def _applied(self, batch: List[_ParamState]) -> None:
+    def _applied(self, batch: List[ParamState]) -> None:
         """The updater applied ``batch``: deferred zero_grad, then the parameters are IDLE."""
         with self._cond:
             for state in batch:
@@ -460,43 +382,10 @@ class OverlapEngine:
                     self._set_stage(state, IDLE)
                 self._cond.notify_all()
             self._updates.join(timeout=30)
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-            self.check_accumulation(False)
+            self._params.remove()
             ReadGuard.detach(self)
             try:
                 self.scheduler.stop(wait=wait and not self._latch)
             finally:
                 if self._on_close is not None:
                     self._on_close()
-
-
-def check_arguments(model: Any, optimizer: Any, backward_passes_per_step: Any) -> None:
-    """Refuse arguments that would train wrong or fail later, naming the fix (before any collective)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (the one the optimizer trains), not {type(model).__name__}")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be an int of at least 1 "
-                         "(the backward passes accumulated before each step)")
-    ours = {id(p) for p in model.parameters()}
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            if id(param) not in ours:
-                raise ValueError(
-                    f"the optimizer's parameter of shape {tuple(param.shape)} (group {index}) is not a "
-                    "parameter of model: pass the model whose parameters the optimizer trains")
-
-
-def undeclared_sparse(name: str) -> str:
-    return (f"parameter {name!r} has a sparse gradient, but no module of the model declares it "
-            "sparse (as nn.Embedding(sparse=True) does), so the ranks cannot agree to average it "
-            "outside the scheduler: declare it, or make it dense")
-
-
-_AGAIN = (
-    "parameter {!r} got another gradient before optimizer.step() while its previous gradient "
-    "is being communicated: to accumulate gradients over k backward passes, pass backward_passes_per_step=k"
-)
-

@@ -14,9 +14,12 @@ True
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Set
+from typing import Any, Callable, Iterable, List, Optional, Set
 
 import torch
+
+from .errors import GradientError
+from .updates import batch_optimizer
 
 Average = Callable[[torch.Tensor], torch.Tensor]
 
@@ -48,6 +51,42 @@ def _empty_like(param: torch.Tensor) -> torch.Tensor:
     indices = torch.empty(1, 0, dtype=torch.long, device=param.device)
     values = torch.empty((0,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
     return torch.sparse_coo_tensor(indices, values, tuple(param.shape))
+
+
+class SparseParams:
+    """The engine's parameters with sparse gradients: which they are, and their step.
+
+    ``all_reduce`` is the adapter's collective (None: the adapter cannot send sparse
+    gradients, and a model with any is refused with :class:`GradientError`).
+    """
+
+    def __init__(self, model: torch.nn.Module, all_reduce: Optional[Average], world_size: int, prescale: bool) -> None:
+        self._ids = sparse_ids(model)
+        if self._ids and all_reduce is None:
+            names = sorted(name for name, p in model.named_parameters() if id(p) in self._ids)
+            raise GradientError(
+                f"parameters {names} get sparse gradients (a module "
+                "with sparse=True), which this adapter does not communicate: use sparse=False, or "
+                "ScheduledOptimizer over torch.distributed, which averages them as DDP does")
+        self._all_reduce = all_reduce
+        self._world_size = world_size
+        self._prescale = prescale
+
+    def declared(self, param: torch.Tensor) -> bool:
+        return id(param) in self._ids
+
+    def step(self, states: Iterable[Any], param_groups: List[dict], apply: bool) -> None:
+        """Average the sparse parameters' gradients (``states`` with ``sparse``, ``passes``,
+        ``group``, ``sub``); with ``apply``, update each with its group's current values."""
+        sparse = [state for state in states if state.sparse]
+        if not sparse:
+            return
+        average_sparse(sparse, self._all_reduce, self._world_size, self._prescale)
+        for state in sparse:
+            state.passes = 0
+            if apply and state.param.grad is not None:
+                values = {k: v for k, v in param_groups[state.group].items() if k != "params"}
+                batch_optimizer([state], values).step()
 
 
 def gloo_all_reduce(group: Any) -> Average:
