@@ -11,7 +11,7 @@ object (no thread, no clock): the runtime keeps it under its lock.
 >>> ledger.add(task); task.generation
 0
 >>> op = Operation([Piece(task, 0, 8)], lane=0, op_id=1)
->>> ledger.launched(op, now=0.0); [t.key for t in ledger.complete(op)], ledger.pending
+>>> ledger.launched([op], now=0.0); [t.key for t in ledger.complete(op)], ledger.pending
 ([3], {})
 """
 
@@ -39,10 +39,12 @@ class Ledger:
         task.generation = generation
         self.pending[(task.key, generation)] = task
 
-    def launched(self, op: Operation, now: float) -> None:
-        """``op`` is in flight from ``now`` on (its deadline counts from here)."""
-        op.launch_time = now
-        self.in_flight[op.op_id] = op
+    def launched(self, ops: List[Operation], now: float) -> None:
+        """``ops`` are in flight from ``now`` on (their deadlines count from here)."""
+        in_flight = self.in_flight
+        for op in ops:
+            op.launch_time = now
+            in_flight[op.op_id] = op
 
     def complete(self, op: Operation) -> Optional[List[Task]]:
         """``op`` finished: the tasks it completed, or None for an operation no longer tracked

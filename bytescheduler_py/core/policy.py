@@ -25,7 +25,6 @@ import heapq
 from typing import Dict, List, Optional, Tuple
 
 from .credit import CreditWindow
-from .partition import partition_ranges
 from .task import Operation, Piece, Task
 
 
@@ -61,8 +60,11 @@ class SchedulingPolicy:
         self.cycle_seconds = cycle_seconds
         self.main = CreditWindow(credit_bytes)
         self.fast: Optional[CreditWindow] = CreditWindow(fast_lane_bytes) if lanes > 1 and fast_lane_bytes > 0 else None
-        # (priority, arrival, piece): tuples compare in C, and arrival is unique.
-        self._heap: List[Tuple[float, int, Piece]] = []
+        # (priority, arrival, a task's pieces not yet decided): tuples compare in C, arrival is
+        # unique. One entry per task, its pieces cut as they go: the order is that of one
+        # entry per piece (a task's pieces share its priority and arrive together), at one
+        # heap operation per task instead of two per piece.
+        self._heap: List[Tuple[float, int, "_Queued"]] = []
         self._arrivals = 0
         self._op_ids = 0
         self.queued_bytes = 0
@@ -74,7 +76,7 @@ class SchedulingPolicy:
     # ------------------------------------------------------------------ events
 
     def add(self, task: Task, now: float) -> bool:
-        """``task`` is ready: cut it into pieces and queue them.
+        """``task`` is ready: queue its pieces (cut at the partition size in force now).
 
         Returns True when its driver should ask :meth:`decide` (now, or when a hold that
         begins with this task ends): while the credit is full there is nothing to do.
@@ -82,20 +84,20 @@ class SchedulingPolicy:
         begins = not self._heap
         if begins:
             self._hold_since = now
-        priority = task.priority
-        heap = self._heap
-        for start, stop in partition_ranges(task.numel, task.itemsize, self.partition_bytes):
-            piece = Piece(task, start, stop)
-            piece.queued_time = now
+        if task.numel > 0:
             self._arrivals += 1
-            heapq.heappush(heap, (priority, self._arrivals, piece))
-        self.queued_bytes += task.nbytes
+            step = task.numel if task.nbytes <= self.partition_bytes else max(1, self.partition_bytes // task.itemsize)
+            heapq.heappush(self._heap, (task.priority, self._arrivals, _Queued(task, step, now)))
+            self.queued_bytes += task.nbytes
         return (begins and self.cycle_seconds > 0) or self.can_launch(now)
 
     def finished(self, op: Operation) -> None:
         """``op`` (one this policy decided) completed: its credit is free again."""
-        self.window(op.lane).release(op.nbytes)
-        self._main_priorities.pop(op.op_id, None)
+        if op.lane == 0 or self.fast is None:
+            self.main.in_flight -= op.nbytes
+            self._main_priorities.pop(op.op_id, None)
+        else:
+            self.fast.in_flight -= op.nbytes
 
     def end_burst(self) -> bool:
         """No more tasks are coming soon: stop holding what is queued. True if that changed anything."""
@@ -126,7 +128,7 @@ class SchedulingPolicy:
     @property
     def queued(self) -> int:
         """How many pieces wait in the queue."""
-        return len(self._heap)
+        return sum(-(-(entry.task.numel - entry.start) // entry.step) for _, _, entry in self._heap)
 
     def window(self, lane: int) -> CreditWindow:
         """The credit window of ``lane``."""
@@ -151,8 +153,8 @@ class SchedulingPolicy:
         if not self._heap or self.hold_remaining(now) > 0:
             return False
         first = self._heap[0][2]
-        window, _, _ = self._lane_for(first)
-        return window.admits(first.nbytes)
+        window, _, _ = self._lane_for(first.task.priority, first.next_bytes())
+        return window.admits(first.next_bytes())
 
     def wake_on_completion(self, now: float) -> bool:
         """After :meth:`finished`: True when the freed credit lets queued work go."""
@@ -160,8 +162,9 @@ class SchedulingPolicy:
 
     # ------------------------------------------------------------------ decisions
 
-    def _lane_for(self, piece: Piece) -> Tuple[CreditWindow, int, int]:
-        """The credit window, lane and merge limit of an operation starting with ``piece``.
+    def _lane_for(self, priority: float, nbytes: int) -> Tuple[CreditWindow, int, int]:
+        """The credit window, lane and merge limit of an operation starting with a piece of
+        ``nbytes`` and ``priority``.
 
         Small operations take the fast lane. A larger piece takes it too when the fast lane
         is idle and every operation in flight on the main lane is less urgent: in the
@@ -170,11 +173,10 @@ class SchedulingPolicy:
         """
         fast = self.fast
         if fast is not None:
-            if piece.nbytes <= self.fast_lane_bytes:
+            if nbytes <= self.fast_lane_bytes:
                 return fast, 1, self.fast_lane_bytes
-            if (fast.in_flight == 0 and self._main_priorities
-                    and piece.task.priority < min(self._main_priorities.values())):
-                return fast, 1, piece.nbytes
+            if fast.in_flight == 0 and self._main_priorities and priority < min(self._main_priorities.values()):
+                return fast, 1, nbytes
         return self.main, 0, self.partition_bytes
 
     def decide(self, now: float) -> List[Operation]:
@@ -187,32 +189,71 @@ class SchedulingPolicy:
         ops: List[Operation] = []
         if not heap or self.hold_remaining(now) > 0:
             return ops
+        merge = self.merge
+        main_only = self.fast is None
         while heap:
-            first = heap[0][2]
-            window, lane, limit = self._lane_for(first)
-            if not window.admits(first.nbytes):
+            entry = heap[0][2]
+            task = entry.task
+            start = entry.start
+            stop = min(start + entry.step, task.numel)
+            nbytes = (stop - start) * task.itemsize
+            if main_only:  # _lane_for's answer without a fast lane
+                window, lane, limit = self.main, 0, self.partition_bytes
+            else:
+                window, lane, limit = self._lane_for(task.priority, nbytes)
+            if window.in_flight and window.in_flight + nbytes > window.capacity:  # CreditWindow.admits
                 break
-            heapq.heappop(heap)
-            pieces = [first]
-            total = first.nbytes
-            fuse_key = first.task.fuse_key
-            if self.merge and fuse_key is not None:
+            pieces = [entry.take(heap, stop)]
+            total = nbytes
+            fuse_key = task.fuse_key
+            if merge and fuse_key is not None:
                 room = min(limit, window.capacity - window.in_flight)
                 while heap:
                     candidate = heap[0][2]
-                    size = total + candidate.nbytes
+                    size = total + candidate.next_bytes()
                     if candidate.task.fuse_key != fuse_key or size > room:
                         break
-                    heapq.heappop(heap)
-                    pieces.append(candidate)
+                    pieces.append(candidate.take(heap))
                     total = size
-            window.take(total)
+            window.in_flight += total  # CreditWindow.take, inline on this hot path
+            if window.in_flight > window.peak:
+                window.peak = window.in_flight
             self.queued_bytes -= total
             self._op_ids += 1
             op = Operation(pieces, lane, self._op_ids, total)
             if lane == 0:
-                self._main_priorities[op.op_id] = first.task.priority
+                self._main_priorities[op.op_id] = task.priority
             ops.append(op)
         if not heap:
             self._hurry = False  # the next task starts a new cycle
         return ops
+
+
+class _Queued:
+    """A queued task's pieces not yet decided: ``[start, numel)``, cut every ``step`` elements."""
+
+    __slots__ = ("task", "step", "start", "queued_time")
+
+    def __init__(self, task: Task, step: int, now: float) -> None:
+        self.task = task
+        self.step = step
+        self.start = 0
+        self.queued_time = now
+
+    def next_bytes(self) -> int:
+        """The size of the next piece."""
+        task = self.task
+        return (min(self.start + self.step, task.numel) - self.start) * task.itemsize
+
+    def take(self, heap: List[Tuple[float, int, "_Queued"]], stop: int = -1) -> Piece:
+        """Cut the next piece (ending at ``stop`` if the caller knows it; this entry is the
+        heap's top); pop the entry after its last."""
+        start = self.start
+        if stop < 0:
+            stop = min(start + self.step, self.task.numel)
+        piece = Piece(self.task, start, stop)
+        piece.queued_time = self.queued_time
+        self.start = stop
+        if stop >= self.task.numel:
+            heapq.heappop(heap)
+        return piece

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import functools
 import threading
 import time
 from typing import Any, Callable, Dict, Optional, Union
@@ -314,8 +315,7 @@ class Scheduler:
                         self._check_deadlines(now)
                         held = decider.hold_remaining(now)
                         self._sleep(min(held, _WATCH_INTERVAL) if held > 0 else _WATCH_INTERVAL)
-                    for op in ops:
-                        self._ledger.launched(op, now)
+                    self._ledger.launched(ops, now)
                 if not ops:
                     if publish is not None:
                         publish(encode_stop(self._epoch))
@@ -325,9 +325,10 @@ class Scheduler:
                         (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
                         for op in ops]))
                 self._ops_launched += len(ops)
+                self._pieces_launched += sum(len(op.pieces) for op in ops)
+                launch, on_done = self._backend.launch, self._on_done
                 for op in ops:
-                    self._pieces_launched += len(op.pieces)
-                    self._backend.launch(op, lambda error, op=op: self._on_done(op, error))
+                    launch(op, functools.partial(on_done, op))
         except BaseException as error:  # noqa: BLE001 - any failure must reach the user
             self._fail(error)
 
@@ -344,16 +345,16 @@ class Scheduler:
         if error is not None:
             self._fail(error)
             return
-        now = time.perf_counter()
         with self._cond:
             finished = self._ledger.complete(op)
             if finished is None:
                 return  # already failed and cleared
             self._decider.finished(op)
-            if self._sleepers and self._completion_wakes(now):
+            if self._sleepers and self._completion_wakes(time.perf_counter()):
                 self._cond.notify_all()
-        if self._timeline is not None and self._timeline.recording:
-            self._timeline.operation(op, finished, now)
+        timeline = self._timeline
+        if timeline is not None and timeline.recording:
+            timeline.operation(op, finished, time.perf_counter())
         for task in finished:
             self._resolve(task)
 
