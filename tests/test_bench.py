@@ -48,7 +48,7 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "bytescheduler.cli", "bench", "--bandwidth", "1gbit", "--model", "tiny",
-         "--batch-size", "8", "--systems", "compute", "comm", "ddp", "ddp-hook", "scheduled",
+         "--batch-size", "8", "--systems", "compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled",
          "--rounds", "2", "--iters", "1", "--warmup", "1", "--out", str(out), "--deadline", "300"],
         capture_output=True, text=True, timeout=400,
     )
@@ -56,7 +56,8 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     assert _namespaces() == before  # torn down
     assert "| ScheduledOptimizer |" in done.stdout and "vs DDP default" in done.stdout
     summary = json.loads((out / "results.json").read_text())
-    assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "scheduled"}
+    assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled"}
+    assert summary["systems"]["ddp-torch-hook"]["baseline"] == "ddp"
     # The link is shaped: a large all-reduce moves at most ~1 Gbit/s per direction.
     assert summary["link_bytes_per_s"] * 8 < 1.1e9
     assert "namespaces" in summary["network"]
@@ -150,7 +151,7 @@ def test_bench_without_mxnet_says_why(tmp_path):
     # By default: left out, with the reason.
     args = Namespace(quick=False, systems=None, mxnet_python=None, model="tiny")
     systems, left_out = choose_systems(args)
-    assert systems == list(TORCH_SYSTEMS + HOROVOD_SYSTEMS)
+    assert systems == [name for name in TORCH_SYSTEMS + HOROVOD_SYSTEMS if name != "ddp-torch-hook"]
     assert set(left_out) == set(MXNET_SYSTEMS) and "--mxnet-python" in left_out["mxnet"]
     # A model without an MXNet version is left out too.
     args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="gpt2")

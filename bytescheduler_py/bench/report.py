@@ -23,9 +23,10 @@ import os
 import statistics
 from typing import Dict, List, Optional, Tuple
 
-BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
+BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
 # Which link measurement (see runner.LINKS) is each system's own framework's sending rate.
-LINK_OF = {"ddp": "gloo all-reduce", "ddp-hook": "gloo all-reduce", "scheduled": "gloo all-reduce",
+LINK_OF = {"ddp": "gloo all-reduce", "ddp-hook": "gloo all-reduce", "ddp-torch-hook": "gloo all-reduce",
+           "scheduled": "gloo all-reduce",
            "hvd": "Horovod all-reduce", "hvd-scheduled": "Horovod all-reduce",
            "mxnet": "ps-lite push+pull", "mxnet-scheduled": "ps-lite push+pull"}
 LABELS = {
@@ -33,6 +34,7 @@ LABELS = {
     "comm": "communication only (all-reduce, no compute)",
     "ddp": "DDP default",
     "ddp-hook": "DDP + scheduled hook",
+    "ddp-torch-hook": "DDP + PyTorch's allreduce_hook",
     "scheduled": "ScheduledOptimizer",
     "hvd": "Horovod DistributedOptimizer",
     "hvd-scheduled": "Horovod + ScheduledOptimizer",

@@ -42,10 +42,12 @@ from .models import MODELS
 from .report import merge, report
 from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
-TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "scheduled")
+TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled")
 HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled")
 MXNET_SYSTEMS = ("mxnet", "mxnet-scheduled")
 SYSTEMS = TORCH_SYSTEMS + HOROVOD_SYSTEMS + MXNET_SYSTEMS
+# Only when asked for: DDP with PyTorch's own Python all-reduce hook, what any comm hook costs.
+DEFAULT_SYSTEMS = [name for name in SYSTEMS if name != "ddp-torch-hook"]
 QUICK_SYSTEMS = ["compute", "ddp", "ddp-hook", "scheduled"]
 WORLD = 2
 ENV_MXNET_PYTHON = "BYTESCHEDULER_MXNET_PYTHON"
@@ -293,7 +295,7 @@ def choose_systems(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str]]
     if args.quick:
         return list(QUICK_SYSTEMS), {}
     explicit = args.systems is not None
-    wanted = list(dict.fromkeys(args.systems)) if explicit else list(SYSTEMS)
+    wanted = list(dict.fromkeys(args.systems)) if explicit else list(DEFAULT_SYSTEMS)
     problems = {}
     if any(name in HOROVOD_SYSTEMS for name in wanted):
         problems[HOROVOD_SYSTEMS] = horovod_problem()
@@ -316,7 +318,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model", default="vgg", choices=MODELS)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
-                        help="default: every system whose framework is available")
+                        help="default: every system whose framework is available, but ddp-torch-hook "
+                             "(DDP with PyTorch's own allreduce_hook: what any Python comm hook costs)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per system")
     parser.add_argument("--iters", type=int, default=3, help="iterations per timed block")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (blocks per system)")

@@ -131,11 +131,15 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
             systems[name] = System(name, model, sgd(model), make_batch, **common)
         elif name == "comm":
             systems[name] = CommunicationOnly(name, model, sgd(model), make_batch, **common)
-        elif name in ("ddp", "ddp-hook"):
+        elif name in ("ddp", "ddp-hook", "ddp-torch-hook"):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ddp = DDP(model)
-            if name == "ddp":
+            if name == "ddp-torch-hook":  # what any Python comm hook costs against DDP's built-in path
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            if name != "ddp-hook":
                 systems[name] = System(name, ddp, sgd(ddp), make_batch, **common)
                 continue
             import bytescheduler.pytorch as bsp
