@@ -276,18 +276,20 @@ def judge(record: dict, timeout: float, margin: float) -> dict:
 
 
 def summarize(records: List[dict]) -> List[dict]:
-    """One row per adapter and case: counts of outcomes, the slowest reaction, exits, ports."""
+    """One row per adapter and case: where the faults landed and on which path of the mode
+    switch, counts of outcomes, the slowest reaction and exit, exits, ports."""
     rows: Dict[tuple, dict] = {}
     for record in records:
         plan, verdict = record["plan"], record["verdict"]
         row = rows.setdefault((plan["adapter"], plan["case"]), {
-            "adapter": plan["adapter"], "case": plan["case"], "trials": 0, "outcomes": {}, "landed": {},
+            "adapter": plan["adapter"], "case": plan["case"], "trials": 0, "outcomes": {}, "landed": {}, "modes": {},
             "max_seconds": None, "max_exit_seconds": None, "all_exited": 0, "ports_freed": 0, "ok": 0, "victim_after": {}})
         row["trials"] += 1
         row["outcomes"][verdict["outcome"]] = row["outcomes"].get(verdict["outcome"], 0) + 1
         if record["fault"] is not None:
-            landed = record["fault"]["landed"]
+            landed, mode = record["fault"]["landed"], record["fault"]["mode"] or "fixed"
             row["landed"][landed] = row["landed"].get(landed, 0) + 1
+            row["modes"][mode] = row["modes"].get(mode, 0) + 1
         if verdict["seconds"] is not None:
             row["max_seconds"] = max(row["max_seconds"] or 0.0, verdict["seconds"])
         if verdict["exit_seconds"] is not None:
@@ -307,13 +309,14 @@ def _counts(counts: Dict[str, int]) -> str:
 
 
 def table(rows: List[dict]) -> str:
-    lines = ["| adapter | case | trials | landed in | rank 0's outcome | max s to it | all exited | max s to exit "
+    lines = ["| adapter | case | trials | landed in | path then | rank 0's outcome | max s to it | all exited | max s to exit "
              "| ports freed | ok | rank 1 after SIGCONT |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         seconds, exit_seconds = (("" if value is None else f"{value:.2f}")
                                  for value in (row["max_seconds"], row["max_exit_seconds"]))
         lines.append(f"| {row['adapter']} | {row['case']} | {row['trials']} | {_counts(row['landed'])} | "
+                     f"{_counts(row['modes'])} | "
                      f"{_counts(row['outcomes'])} | {seconds} | {row['all_exited']}/{row['trials']} | {exit_seconds} | "
                      f"{row['ports_freed']}/{row['trials']} | {row['ok']}/{row['trials']} | "
                      f"{_counts(row['victim_after'])} |")
