@@ -5,6 +5,8 @@
     bytescheduler microbench   scheduling cost per piece with a no-op backend
     bytescheduler simulate     predicted seconds per iteration on any number of ranks and link rate
     bytescheduler mxnet-launch an MXNet parameter-server job on 127.0.0.1 (-n 2 -s 1 -- python train.py)
+    bytescheduler soak         long runs of every adapter: RSS, threads, descriptors, sockets stay flat
+    bytescheduler chaos        kill or stop a rank at random moments: a clear error, nothing left running
     bytescheduler version
 """
 
@@ -20,6 +22,8 @@ COMMANDS = {
     "microbench": "scheduling cost per piece with a backend that does nothing",
     "simulate": "predict each system's time per iteration for any ranks and link rate",
     "mxnet-launch": "run an MXNet parameter-server job (scheduler, servers, workers) on 127.0.0.1",
+    "soak": "long 2-rank runs of every adapter: RSS, threads, fds and sockets stay flat",
+    "chaos": "kill or stop one rank at random moments: clear errors, every process and port gone",
     "version": "print the version",
 }
 
@@ -45,6 +49,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .sim.cli import main as run
     elif command == "mxnet-launch":
         from .launcher import main as run
+    elif command == "soak":
+        from .bench.soak import main as run
+    elif command == "chaos":
+        from .bench.chaos import main as run
     elif command == "version":
         from . import __version__
 

@@ -15,33 +15,15 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from bytescheduler.bench.procstats import alive as pid_alive
+from bytescheduler.bench.procstats import marked_pids as marked_processes
+
 MARKER = "BYTESCHEDULER_TEST_MARKER"
 
 
 def marked_pids(marker: str) -> List[int]:
-    """Live processes whose environment holds ``MARKER=marker`` (zombies have none)."""
-    needle = f"{MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if needle in handle.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def pid_alive(pid: int) -> bool:
-    """True for a live process (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            state = handle.read().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in (b"Z", b"X")
+    """Live processes whose environment holds ``MARKER=marker``."""
+    return marked_processes(MARKER, marker)
 
 
 def started_pids(messages: str) -> Dict[str, int]:
