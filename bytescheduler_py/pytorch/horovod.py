@@ -130,8 +130,9 @@ class HorovodBackend:
         self._thread.join(timeout=10)
 
 
-def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str) -> bool:
-    """Wait for a Horovod handle, polling with a growing pause; False if ``cancel`` was set.
+def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str) -> Any:
+    """Wait for a Horovod handle, polling with a growing pause; its result (Horovod's
+    ``synchronize``), or False if ``cancel`` was set.
 
     Raises Horovod's error if the operation failed (e.g. a peer died), or
     :class:`CommunicationTimeout` after ``timeout`` seconds.
@@ -148,8 +149,8 @@ def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, wh
             )
         time.sleep(pause)
         pause = min(pause * 2, 5e-4)
-    hvd.synchronize(handle)
-    return True
+    result = hvd.synchronize(handle)
+    return True if result is None else result
 
 
 class HorovodOrderChannel:
@@ -195,7 +196,7 @@ class HorovodOrderChannel:
             frame = self._buffer
             handle = hvd.broadcast_async_(frame, root_rank=0, name=self._name())
             # No deadline here: the scheduler fails a follower whose tensors wait too long.
-            if not _wait_for(handle, cancel, float("inf"), "receiving rank 0's order"):
+            if _wait_for(handle, cancel, float("inf"), "receiving rank 0's order") is False:
                 return None
             if not read_frame(frame.tolist(), message):
                 return message
@@ -209,27 +210,31 @@ class HorovodOrderChannel:
 class HorovodReducer:
     """The plain path's :class:`~bytescheduler.pytorch.plain.Reducer` over Horovod: what
     ``hvd.DistributedOptimizer`` does, one named ``allreduce_async_`` per gradient (Horovod's
-    background thread fuses them), waited for in ``step()``."""
+    background thread fuses them), waited for in ``step()``, but with a deadline: Horovod
+    itself would wait for a stalled peer forever."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, timeout: float) -> None:
         self._prefix = prefix
+        self._timeout = timeout
 
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
         return [hvd.allreduce_async_(grad, name=f"{self._prefix}.{key}", op=hvd.Average) for key, grad in items]
 
     def wait(self, handles: List[Any]) -> None:
         for handle in handles:
-            hvd.synchronize(handle)
+            _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path")
 
 
-def _plain_setup(prefix: str) -> PlainSetup:
-    """The mode switch over Horovod: its own path, and one object all-gather to agree."""
+def _plain_setup(prefix: str, timeout: float) -> PlainSetup:
+    """The mode switch over Horovod: its own path, and one all-gather of [proposal, veto] to
+    agree (waited for with a deadline, as every operation of ours)."""
 
     def agree(proposal: int, veto: bool) -> int:
-        votes = hvd.allgather_object((proposal, bool(veto)), name=f"{prefix}.mode")
-        return STOP if any(v for _, v in votes) else votes[0][0]
+        handle = hvd.allgather_async(torch.tensor([[proposal, int(veto)]], dtype=torch.int64), name=f"{prefix}.mode")
+        votes = _wait_for(handle, None, timeout, "the mode switch's agreement")
+        return STOP if int(votes[:, 1].max()) else int(votes[0, 0])
 
-    return PlainSetup(HorovodReducer(prefix), agree, first_bytes=0, bucket_bytes=0)
+    return PlainSetup(HorovodReducer(prefix, timeout), agree, first_bytes=0, bucket_bytes=0)
 
 
 def _order_channel(prefix: str, timeout: float) -> Any:
@@ -342,7 +347,7 @@ def ScheduledOptimizer(
     scheduler = Scheduler(backend, channel=channel, rank=hvd.rank(), config=config)
     plain = None
     if config.adaptive and not config.auto_tune and hvd.size() > 1:
-        plain = _plain_setup(f"{backend.name}.plain")
+        plain = _plain_setup(f"{backend.name}.plain", config.timeout)
 
     def close() -> None:
         try:
