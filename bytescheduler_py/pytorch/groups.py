@@ -126,10 +126,8 @@ class ProcessGroups:
         """
         if isinstance(self.order, GlooOrderChannel):
             self.order.release()
-        if broken:
-            self.keeper.abandon()  # the failure's traceback may hold our tensors: no use waiting
-        if not self.keeper.wait_idle(2.0 if broken else 10.0):
-            logger.warning("gloo has not let go of a finished operation's tensors or callbacks in time")
+        if not self.keeper.wait_idle(10.0):
+            logger.warning("gloo has not let go of a finished operation's tensors after 10 s")
         with self._pools_lock:
             self.broken = self.broken or broken
             self.claimed = False

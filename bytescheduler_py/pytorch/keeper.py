@@ -41,7 +41,6 @@ class Keeper:
         self._live: set = set()
         self._tensors: List["weakref.ReferenceType[torch.Tensor]"] = []
         self._lock = threading.Lock()
-        self._abandoned = False
         _KEEPERS.add(self)
 
     def wrap(self, fn: Callable[[Any], None]) -> "TrackedCallback":
@@ -55,18 +54,8 @@ class Keeper:
 
     def _busy(self) -> bool:
         with self._lock:
-            if self._abandoned:
-                return bool(self._live)
             self._tensors = [ref for ref in self._tensors if ref() is not None]
             return bool(self._live or self._tensors)
-
-    def abandon(self) -> None:
-        """Stop waiting for tensors: after a failure the caller's traceback may hold them as
-        long as it likes, and gloo fails its operations on a dead peer at once (the
-        callbacks are still waited for: gloo's thread runs them)."""
-        with self._lock:
-            self._abandoned = True
-            self._tensors = []
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until gloo's threads let go of everything; False on timeout."""
