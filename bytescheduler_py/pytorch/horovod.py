@@ -51,13 +51,12 @@ from .overlap import OverlapEngine
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.
 _NEVER = 1 << 62
+# Seconds a wait polls without sleeping (see _wait_for).
+_SPIN_SECONDS = 0.05
 # Horovod runs one operation at a time and negotiates each, so fewer, larger pieces pay off:
 # 8 MiB pieces under a 16 MiB credit measured 1.05x of plain Horovod at 1 Gbit/s and 1.01x at
 # 2 Gbit/s, against 1.03x and 0.94x with the library's 4/16 MiB (docs/benchmarks.md).
 # Rank 0 also times this against Horovod's own path and keeps the faster (adaptive.py).
-# Seconds a wait polls without sleeping (see _wait_for).
-_SPIN_SECONDS = 0.05
-
 HOROVOD_DEFAULTS = SchedulerConfig(partition_bytes=8 * 1024**2, credit_bytes=16 * 1024**2, adaptive=True)
 # int64 words per ordering broadcast (a decision of one piece takes 6 words).
 _ORDER_WORDS = 128
