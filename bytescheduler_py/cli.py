@@ -4,6 +4,7 @@
     bytescheduler bench-summary  one table of every scheduled system from many bench runs
     bytescheduler microbench   scheduling cost per piece with a no-op backend
     bytescheduler simulate     predicted seconds per iteration on any number of ranks and link rate
+    bytescheduler calibrate    measure each backend's costs here (fixed, rate, CPU) for the simulator
     bytescheduler mxnet-launch an MXNet parameter-server job on 127.0.0.1 (-n 2 -s 1 -- python train.py)
     bytescheduler soak         long runs of every adapter: RSS, threads, descriptors, sockets stay flat
     bytescheduler chaos        kill or stop a rank at random moments: a clear error, nothing left running
@@ -21,6 +22,7 @@ COMMANDS = {
     "bench-summary": "one table of every scheduled system's speedup from many bench runs",
     "microbench": "scheduling cost per piece with a backend that does nothing",
     "simulate": "predict each system's time per iteration for any ranks and link rate",
+    "calibrate": "measure each backend's cost per operation and per byte here, for simulate",
     "mxnet-launch": "run an MXNet parameter-server job (scheduler, servers, workers) on 127.0.0.1",
     "soak": "long 2-rank runs of every adapter: RSS, threads, fds and sockets stay flat",
     "chaos": "kill or stop one rank at random moments: clear errors, every process and port gone",
@@ -47,6 +49,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench.microbench import main as run
     elif command == "simulate":
         from .sim.cli import main as run
+    elif command == "calibrate":
+        from .sim.calibrate import main as run
     elif command == "mxnet-launch":
         from .launcher import main as run
     elif command == "soak":

@@ -1,0 +1,203 @@
+"""``bytescheduler calibrate``: measure what communication costs here, per backend, for the simulator.
+
+    bytescheduler calibrate --out calibration.json                      # loopback, every backend available
+    bytescheduler calibrate --bandwidth 1gbit --backends gloo horovod   # the shaped testbed (root)
+    bytescheduler simulate --model vgg --calibration calibration.json
+
+Runs 2 ranks per backend as ``bytescheduler bench`` runs them (each rank pinned to a CPU of
+its own; with ``--bandwidth`` in network namespaces joined by rate-shaped links): gloo
+through torch.distributed, Horovod (``make horovod``), MXNet's ps-lite (``make mxnet``; a
+server on each rank's CPU). Each rank measures (:mod:`~bytescheduler.sim.probe_torch`,
+:mod:`~bytescheduler.sim.probe_mxnet`) the fixed cost of one small operation, the rate of
+large ones, and the CPU its core spends per operation and per byte; the command turns the
+two ranks' reports into a :class:`~bytescheduler.sim.calibration.Calibration` (JSON). The
+numbers come from the run: nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from statistics import mean
+from typing import Dict, List, Optional
+
+from ..bench.runner import (JobFailed, default_mxnet_python, horovod_problem, horovod_ranks, mxnet_nodes,
+                            run_processes, torch_ranks)
+from ..bench.testbed import Testbed, make_testbed, pin_cores
+from .calibration import BACKENDS, BackendCosts, Calibration
+
+WORLD = 2
+
+
+def _cpu(phase: Dict[str, float], spins: bool = False) -> float:
+    """CPU a rank spent in a phase: its process's threads (their system time includes the
+    kernel's sending and receiving); ``spins``: without the calling thread, which only
+    waited (Horovod's ``synchronize`` polls, yielding the core to any thread that wants it).
+    The interrupt work on the core is recorded but left out: on a shared machine it counts
+    other people's traffic too, and on the quiet bench machine it was a few ms per iteration
+    (``rest of the core`` in docs/bench)."""
+    return phase["process_cpu"] - (phase.get("caller_cpu", 0.0) if spins else 0.0)
+
+
+def derive(backend: str, reports: List[dict]) -> BackendCosts:
+    """One backend's costs from its ranks' reports (means over the ranks).
+
+    Per rank: the idle phase gives the CPU burnt with nothing to do (per second); the small
+    operations' phase, less that, the CPU per operation, and the median small operation
+    the fixed cost; the large operations, each less the CPU per operation, the CPU per byte
+    (their median) and, the fastest, the rate. Medians and the fastest, because a shared
+    machine's other work stretches some operations. Horovod's back-to-back small operations
+    take one cycle when negotiation and the all-reduce fit in it, so its fixed cost is what
+    they took beyond the cycle; its background thread does not turn idle while it runs a
+    large operation, so nothing idle is taken off those. ps-lite's servers (one on each
+    rank's core) are measured apart, per operation and per byte of each worker's push.
+
+    >>> phase = lambda s, cpu, **kw: dict(seconds=s, process_cpu=cpu, interrupt_cpu=0.5, **kw)
+    >>> rank = {"idle": phase(1.0, 0.0), "small": phase(0.1, 0.05, ops=500, walls=[2e-4] * 500),
+    ...         "large": phase(1.0, 0.15, ops=4, bytes=25_000_000, walls=[0.25] * 4, cpus=[0.0375] * 4),
+    ...         "ours": {"operations": 0}}
+    >>> costs = derive("gloo", [rank, rank])
+    >>> costs.op_seconds, costs.cpu_per_op, round(costs.cpu_per_byte * 1e9, 3), costs.rate
+    (0.0002, 0.0001, 1.496, 100000000.0)
+    """
+    op_seconds, cpu_op, cpu_byte, rates, idle, ours, polls, server_op, server_byte = ([] for _ in range(9))
+    spins = backend == "horovod"
+    for report in reports:
+        burn = _cpu(report["idle"], spins) / report["idle"]["seconds"]
+        small, large = report["small"], report["large"]
+        per_op = max(0.0, (_cpu(small, spins) - burn * small["seconds"]) / small["ops"])
+        wall = statistics.median(small["walls"])
+        if backend == "horovod":
+            wall = max(0.0, wall - report.get("cycle_seconds", 1e-3))
+        callers = large.get("caller_cpus", [0.0] * large["ops"]) if spins else [0.0] * large["ops"]
+        per_byte = statistics.median(
+            max(0.0, cpu - caller - (0.0 if spins else burn * seconds) - per_op) / large["bytes"]
+            for cpu, caller, seconds in zip(large["cpus"], callers, large["walls"]))
+        if backend == "ps-lite":
+            moved = large["ops"] * large["bytes"]
+            server_burn = report["idle"].get("peer_cpu", 0.0) / report["idle"]["seconds"]
+            server_op.append(max(0.0, small.get("peer_cpu", 0.0) - server_burn * small["seconds"]) / small["ops"])
+            server_byte.append(max(0.0, large.get("peer_cpu", 0.0) - server_burn * large["seconds"]) / moved)
+        op_seconds.append(wall)
+        cpu_op.append(per_op)
+        cpu_byte.append(per_byte)
+        rates.append(large["bytes"] / min(large["walls"]))
+        idle.append(burn)
+        done = report.get("ours", {})
+        if done.get("operations"):
+            ours.append(done["dispatch_cpu"] / done["operations"])
+        if "poll_cpu" in report:
+            polls.append(report["poll_cpu"])
+    workers = len(reports)
+    return BackendCosts(
+        op_seconds=mean(op_seconds), cpu_per_op=mean(cpu_op), cpu_per_byte=mean(cpu_byte), rate=mean(rates),
+        idle_cpu_per_s=mean(idle), ours_cpu_per_op=mean(ours) if ours else 0.0,
+        ours_cpu_per_poll=mean(polls) if polls else 0.0,
+        # A small key lives on one server: the servers' CPU per operation is the sum over ranks.
+        server_cpu_per_op=sum(server_op) if server_op else 0.0,
+        # Every server's CPU, per byte of each worker's push (the key is split over all servers).
+        server_cpu_per_byte=sum(server_byte) / workers if server_byte else 0.0)
+
+
+def _mxnet_problem(python: Optional[str]) -> Optional[str]:
+    if not python:
+        return "no MXNet interpreter: pass --mxnet-python, or build .venv-mxnet (make mxnet)"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
+    done = subprocess.run([python, "-c", "import bytescheduler.sim.probe_mxnet"], env=env, capture_output=True,
+                          text=True, timeout=180)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return f"{python}: {lines[-1] if lines else done.returncode}"
+
+
+def _run(backend: str, testbed: Testbed, args: argparse.Namespace, work_dir: str) -> List[dict]:
+    job_dir = os.path.join(work_dir, backend)
+    os.makedirs(job_dir)
+    output = os.path.join(job_dir, "rank{rank}.json")
+    options = ["--small-ops", str(args.small_ops), "--large-ops", str(args.large_ops),
+               "--megabytes", str(args.megabytes), "--output", output]
+    end = time.monotonic() + args.deadline
+    if backend == "gloo":
+        processes = torch_ranks(testbed, "bytescheduler.sim.probe_torch", options)
+    elif backend == "horovod":
+        processes = horovod_ranks(testbed, "bytescheduler.sim.probe_torch", options, job_dir)
+    else:
+        processes = mxnet_nodes(testbed, [args.mxnet_python, "-m", "bytescheduler.sim.probe_mxnet", *options],
+                                args.mxnet_python)
+    run_processes(backend, processes, job_dir, end, show_progress=False)
+    reports = []
+    for rank in range(WORLD):
+        with open(output.replace("{rank}", str(rank))) as handle:
+            reports.append(json.load(handle))
+    return reports
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="bytescheduler calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
+                        help="default: every backend whose framework is available")
+    parser.add_argument("--bandwidth", default="none", help="link rate per direction, e.g. 1gbit, or none (loopback)")
+    parser.add_argument("--out", default="calibration.json")
+    parser.add_argument("--small-ops", type=int, default=300, help="one-element operations timed (default 300)")
+    parser.add_argument("--large-ops", type=int, default=6, help="large operations timed (default 6)")
+    parser.add_argument("--megabytes", type=int, default=32, help="size of a large operation (default 32)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each rank to a CPU of its own")
+    parser.add_argument("--mxnet-python", default=default_mxnet_python(),
+                        help="interpreter with MXNet and bytescheduler (default: as bytescheduler bench)")
+    parser.add_argument("--deadline", type=float, default=600, help="seconds each backend's job may take")
+    args = parser.parse_args(argv)
+    problems = {"horovod": horovod_problem, "ps-lite": lambda: _mxnet_problem(args.mxnet_python)}
+    wanted = args.backends or list(BACKENDS)
+    backends = []
+    for backend in wanted:
+        problem = problems[backend]() if backend in problems else None
+        if problem is None:
+            backends.append(backend)
+        elif args.backends:
+            raise SystemExit(f"bytescheduler calibrate: cannot measure {backend}: {problem}")
+        else:
+            print(f"  left out {backend}: {problem}", file=sys.stderr)
+    costs: Dict[str, BackendCosts] = {}
+    raw: Dict[str, List[dict]] = {}
+    with make_testbed(WORLD, args.bandwidth) as testbed:
+        if not args.no_pin:
+            testbed.cores = pin_cores(WORLD)
+        pinned = bool(testbed.cores)
+        print(f"bytescheduler calibrate: {', '.join(backends)} on {testbed.description}"
+              f"{'; each rank pinned to a CPU of its own' if pinned else ''}", file=sys.stderr)
+        with tempfile.TemporaryDirectory(prefix="bytescheduler-calibrate-") as work_dir:
+            for backend in backends:
+                try:
+                    raw[backend] = _run(backend, testbed, args, work_dir)
+                except JobFailed as error:
+                    print(f"calibrate: {error}", file=sys.stderr)
+                    return 1
+                costs[backend] = derive(backend, raw[backend])
+        description = testbed.description
+    memcpy = mean(r["memcpy_bytes_per_s"] for reports in raw.values() for r in reports) if raw else 0.0
+    calibration = Calibration(costs, memcpy, cores=1 if pinned else os.cpu_count() or 1, network=description,
+                              raw=raw)
+    with open(args.out, "w") as handle:
+        handle.write(calibration.to_json())
+    print(summary(calibration))
+    print(f"written to {os.path.abspath(args.out)}", file=sys.stderr)
+    return 0
+
+
+def summary(calibration: Calibration) -> str:
+    """A markdown table of the measured costs."""
+    lines = [f"Calibration ({calibration.network}); memcpy {calibration.memcpy_bytes_per_s / 1e9:.2f} GB/s per thread.",
+             "", "| backend | fixed us/op | CPU us/op | CPU ns/byte | rate MB/s | idle CPU ms/s | ours us/op | server us/op | server ns/byte |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in calibration.backends.items():
+        lines.append(f"| {name} | {c.op_seconds * 1e6:.0f} | {c.cpu_per_op * 1e6:.0f} | {c.cpu_per_byte * 1e9:.3f} | "
+                     f"{c.rate / 1e6:.0f} | {c.idle_cpu_per_s * 1e3:.1f} | {c.ours_cpu_per_op * 1e6:.0f} | "
+                     f"{c.server_cpu_per_op * 1e6:.0f} | {c.server_cpu_per_byte * 1e9:.3f} |")
+    return "\n".join(lines)
