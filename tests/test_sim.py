@@ -103,11 +103,12 @@ def test_ddp_buckets_follow_ddp_first_small_then_25_mib():
 
 def test_default_settings_are_the_adapters():
     from bytescheduler.pytorch.ddp_hook import HOOK_DEFAULTS
+    from bytescheduler.pytorch.horovod import HOROVOD_DEFAULTS
     from bytescheduler.pytorch.optimizer import OPTIMIZER_DEFAULTS
-    from bytescheduler.sim.engine import default_config
 
     assert default_config("ddp-hook") == HOOK_DEFAULTS
     assert default_config("scheduled") == OPTIMIZER_DEFAULTS
+    assert default_config("hvd-scheduled") == HOROVOD_DEFAULTS  # ScheduledKVStore's: tests/mxnet/test_sim_ps.py
 
 
 def test_simulate_command_reads_a_profile_and_writes_json(tmp_path, capsys):
@@ -237,3 +238,36 @@ def test_every_scheduled_system_calls_the_runtimes_policy(in_flight_after_decide
         simulate(profile, Network(bandwidth=1e9, latency=0.0), 2, system, iterations=4)
         credit = default_config(system).credit_bytes
         assert in_flight_after_decide and max(in_flight_after_decide) <= credit, system
+
+
+def test_simulate_command_with_a_calibration_draws_a_gantt_per_system(tmp_path, capsys):
+    from bytescheduler.cli import main
+    from bytescheduler.sim.calibration import BackendCosts, Calibration
+
+    profile = Profile("one", (Layer("x", 0.05, (Tensor(2_000_000, 0.2),)),), backward_s=0.2, step_s=0.01)
+    (tmp_path / "profile.json").write_text(profile.to_json())
+    costs = BackendCosts(op_seconds=2e-4, cpu_per_op=1e-4, cpu_per_byte=1e-9, idle_cpu_per_s=0.1)
+    calibration = Calibration({"gloo": costs, "horovod": costs}, memcpy_bytes_per_s=5e9)
+    (tmp_path / "calibration.json").write_text(calibration.to_json())
+    assert main(["simulate", "--profile", str(tmp_path / "profile.json"), "--bandwidth", "none", "1gbit",
+                 "--systems", "ddp", "hvd", "hvd-scheduled", "--calibration", str(tmp_path / "calibration.json"),
+                 "--gantt", str(tmp_path / "gantt.png")]) == 0
+    table = capsys.readouterr().out
+    assert "| 2 | none | hvd-scheduled |" in table and "CPU model from" in table
+    for system in ("ddp", "hvd", "hvd-scheduled"):  # the first rate's iterations
+        assert (tmp_path / f"gantt-{system}.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):  # a calibration without the backend a system needs
+        main(["simulate", "--profile", str(tmp_path / "profile.json"), "--systems", "ps",
+              "--calibration", str(tmp_path / "calibration.json")])
+
+
+def test_a_gantt_has_a_row_per_thread():
+    from bytescheduler.sim.gantt import chart_events
+
+    profile = Profile("two", (Layer("a", 0.01, (Tensor(4 * 2**20, 0.05),)), Layer("b", 0.01, (Tensor(4 * 2**20, 0.0),))),
+                      backward_s=0.05, step_s=0.01)
+    result = simulate(profile, Network(bandwidth=1e8, latency=0.0), 2, "scheduled", iterations=4, record=True)
+    compute, threads = chart_events(list(result.spans))
+    assert {e["name"] for e in compute} >= {"forward", "backward"}
+    assert {e["cat"] for e in threads} >= {"lane0", "updater"}  # the dispatcher costs nothing uncalibrated
+    assert len(result.iteration_starts) == 5

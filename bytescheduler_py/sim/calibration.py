@@ -80,7 +80,11 @@ class Calibration:
         return nbytes / self.memcpy_bytes_per_s if self.memcpy_bytes_per_s > 0 else 0.0
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        data = asdict(self)
+        raw = data.pop("raw")
+        text = json.dumps(data, indent=1)  # the costs readable, every rank's report on one line
+        return f'{text[:-2]},\n "raw": {json.dumps(raw)}\n}}\n'
+
 
     @classmethod
     def from_json(cls, text: str) -> "Calibration":

@@ -130,8 +130,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                 config = default_config(system)
                 if options and canonical(system) in BASELINES:
                     config = config.with_options(**options)
-                results[system] = simulate(profile, network, ranks, system, config, args.iterations, calibration,
-                                           record=bool(args.gantt) and not drawn)
+                try:
+                    results[system] = simulate(profile, network, ranks, system, config, args.iterations,
+                                               calibration, record=bool(args.gantt) and not drawn)
+                except ValueError as error:  # e.g. a calibration without this system's backend
+                    parser.error(f"{system}: {error}")
             for system, result in results.items():
                 plain = f"{result.plain_seconds:.3f}" if result.plain_seconds is not None else ""
                 switch = (f"{result.chosen_path} ({_speedup(results, system, result.chosen_seconds)})"

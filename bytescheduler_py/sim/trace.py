@@ -96,6 +96,7 @@ def profile_from_spans(spans: List[Span], bench: Optional[List[Span]] = None, mo
     layer_of = {name: index for index, name in names.items()}
     ready: Dict[str, List[float]] = defaultdict(list)
     sizes: Dict[str, int] = {}
+    keys: Dict[str, int] = {}
     updates = sorted((s for s in spans if s[0] == "compute" and s[1] == "update"), key=lambda s: s[2])
     step_times = []
     for number, (_, _, begin, end, _) in enumerate(backwards):
@@ -104,6 +105,7 @@ def profile_from_spans(spans: List[Span], bench: Optional[List[Span]] = None, mo
             if category == "task" and begin <= start <= end + 1e-3:
                 ready[name].append(start - begin)
                 sizes[name] = int(args.get("bytes", 0))
+                keys[name] = int(args.get("key", len(keys)))
         applied = [u for u in updates if begin <= u[2] < following]
         if applied:
             step_times.append(sum(u[3] - u[2] for u in applied))
@@ -111,11 +113,11 @@ def profile_from_spans(spans: List[Span], bench: Optional[List[Span]] = None, mo
         raise TraceError("the trace has no gradient tasks inside its backward passes: record the scheduled path "
                          "(adaptive=False, or a run whose mode switch kept the schedule)")
     tensors: Dict[int, List[Tuple[int, float]]] = defaultdict(list)
-    for name, moments in ready.items():
+    for name in sorted(ready, key=lambda n: keys[n]):  # the parameters' order in the model
         layer = _owner(name, layer_of)
         if layer is None:
             layer = max(names)
-        tensors[layer].append((sizes[name], statistics.median(moments)))
+        tensors[layer].append((sizes[name], statistics.median(ready[name])))
     step = statistics.median(step_times) if step_times else _bench_step(bench or [])
     layers = tuple(Layer(names[i], statistics.median(forward_times[i]),
                          tuple(Tensor(size, moment) for size, moment in tensors.get(i, [])))

@@ -99,7 +99,7 @@ def repeat(usage: Usage, operation: Callable[[], None], count: int, sample_cpu: 
             before = thread_cpu_seconds()
         begin = time.perf_counter()
         operation()
-        walls.append(time.perf_counter() - begin)
+        walls.append(round(time.perf_counter() - begin, 7))
         if sample_cpu:
             after = thread_cpu_seconds()
             cpus.append(sum(after.values()) - sum(before.values()))
