@@ -386,7 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                             deadline = time.monotonic() + args.deadline
                             jobs += [(LINKS[job], results) for results in run(testbed, args, names, work_dir, deadline)]
                 except JobFailed as error:
-                    _show_logs(error.log_dir)
+                    show_logs(error.log_dir)
                     print(f"bench: {error}", file=sys.stderr)
                     return 1
                 command = " ".join(["bytescheduler", "bench", *(argv if argv is not None else sys.argv[1:])])
@@ -402,7 +402,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _show_logs(log_dir: str) -> None:
+def show_logs(log_dir: str) -> None:
     for name in sorted(os.listdir(log_dir)):
         if name.endswith(".log"):
             with open(os.path.join(log_dir, name)) as handle:

@@ -169,8 +169,12 @@ class DdpReducer(Communication):
     def _copy(self, nbytes: float) -> float:
         return self.calibration.memcpy_seconds(nbytes) if self.calibration is not None else 0.0
 
+    def _hook(self, grad: Gradient) -> float:
+        """DDP's hook: the reducer's own work and the copy into the bucket (dividing as it copies)."""
+        return (self.lanes.costs.hook_cpu if self.lanes.costs else 0.0) + self._copy(grad.nbytes)
+
     def gradient_ready(self, grad: Gradient, now: float) -> float:
-        hook = self._copy(grad.nbytes)  # into its bucket (DDP divides while copying)
+        hook = self._hook(grad)
         for bucket in self.filler.ready(grad):
             if self.divide:
                 hook += self._copy(bucket.nbytes)
@@ -198,7 +202,7 @@ class ScheduledHook(DdpReducer):
                                    cpu_per_fused_byte=self._copy(1.0))
 
     def gradient_ready(self, grad: Gradient, now: float) -> float:
-        hook = self._copy(grad.nbytes)
+        hook = self._hook(grad)
         for bucket in self.filler.ready(grad):
             hook += self._copy(bucket.nbytes)
             self.driver.submit(self.filler.members(bucket), bucket.index, bucket.nbytes, bucket.priority)
@@ -234,7 +238,8 @@ class ScheduledAllReduce(ScheduledCommunication):
 
     def gradient_ready(self, grad: Gradient, now: float) -> float:
         self.driver.submit(grad, grad.key, grad.nbytes, grad.key)
-        return self._copy(grad.nbytes)  # divided by the world size in the hook
+        ours = self.lanes.costs.ours_hook_cpu if self.lanes.costs else 0.0
+        return ours + self._copy(grad.nbytes)  # our hook, and its division by the world size
 
     def _launch(self, op: Operation, finished: Callable[[float], None]) -> None:
         self.lanes.launch(op.lane, op.nbytes, finished, op.nbytes if len(op.pieces) > 1 else 0)

@@ -28,7 +28,7 @@ from statistics import mean
 from typing import Dict, List, Optional
 
 from ..bench.runner import (JobFailed, default_mxnet_python, horovod_problem, horovod_ranks, mxnet_nodes,
-                            run_processes, torch_ranks)
+                            run_processes, show_logs, torch_ranks)
 from ..bench.testbed import Testbed, make_testbed, pin_cores
 from .calibration import BACKENDS, BackendCosts, Calibration
 
@@ -66,7 +66,8 @@ def derive(backend: str, reports: List[dict]) -> BackendCosts:
     >>> costs.op_seconds, costs.cpu_per_op, round(costs.cpu_per_byte * 1e9, 3), costs.rate
     (0.0002, 0.0001, 1.496, 100000000.0)
     """
-    op_seconds, cpu_op, cpu_byte, rates, idle, ours, polls, server_op, server_byte = ([] for _ in range(9))
+    op_seconds, cpu_op, cpu_byte, rates, idle, ours, polls, server_op, server_byte, hooks, our_hooks = (
+        [] for _ in range(11))
     spins = backend == "horovod"
     for report in reports:
         burn = _cpu(report["idle"], spins) / report["idle"]["seconds"]
@@ -94,11 +95,22 @@ def derive(backend: str, reports: List[dict]) -> BackendCosts:
             ours.append(done["dispatch_cpu"] / done["operations"])
         if "poll_cpu" in report:
             polls.append(report["poll_cpu"])
+        if "hooks" in report:
+            hook = report["hooks"]
+            copy = hook["bytes"] / report["memcpy_bytes_per_s"]
+            # DDP copies every gradient into its bucket and back (gloo); Horovod copies none
+            # in the hook. ScheduledOptimizer over gloo divides each gradient (one pass).
+            copies, our_copies = (2, 1) if backend == "gloo" else (0, 0)
+            plain = hook["plain_backward_cpu"]
+            hooks.append(max(0.0, hook["framework_backward_cpu"] - plain - copies * copy) / hook["gradients"])
+            if done.get("backward_cpu"):
+                our_hooks.append(max(0.0, done["backward_cpu"] - plain - our_copies * copy) / hook["gradients"])
     workers = len(reports)
     return BackendCosts(
         op_seconds=mean(op_seconds), cpu_per_op=mean(cpu_op), cpu_per_byte=mean(cpu_byte), rate=mean(rates),
         idle_cpu_per_s=mean(idle), ours_cpu_per_op=mean(ours) if ours else 0.0,
         ours_cpu_per_poll=mean(polls) if polls else 0.0,
+        hook_cpu=mean(hooks) if hooks else 0.0, ours_hook_cpu=mean(our_hooks) if our_hooks else 0.0,
         # A small key lives on one server: the servers' CPU per operation is the sum over ranks.
         server_cpu_per_op=sum(server_op) if server_op else 0.0,
         # Every server's CPU, per byte of each worker's push (the key is split over all servers).
@@ -177,27 +189,46 @@ def main(argv: Optional[List[str]] = None) -> int:
                 try:
                     raw[backend] = _run(backend, testbed, args, work_dir)
                 except JobFailed as error:
+                    show_logs(error.log_dir)
                     print(f"calibrate: {error}", file=sys.stderr)
                     return 1
                 costs[backend] = derive(backend, raw[backend])
         description = testbed.description
     memcpy = mean(r["memcpy_bytes_per_s"] for reports in raw.values() for r in reports) if raw else 0.0
+    elsewhere = busy_elsewhere(raw) if pinned else 0.0
     calibration = Calibration(costs, memcpy, cores=1 if pinned else os.cpu_count() or 1, network=description,
-                              raw=raw)
+                              busy_elsewhere=elsewhere, raw=raw)
     with open(args.out, "w") as handle:
         handle.write(calibration.to_json())
     print(summary(calibration))
+    if elsewhere > 0.1:
+        print(f"calibrate: warning: other processes kept the ranks' CPUs {100 * elsewhere:.0f}% busy while the "
+              "ranks idled; the costs include that contention (CPU time stretches on a shared core): "
+              "calibrate on a quiet machine", file=sys.stderr)
     print(f"written to {os.path.abspath(args.out)}", file=sys.stderr)
     return 0
+
+
+def busy_elsewhere(raw: Dict[str, List[dict]]) -> float:
+    """The share of the ranks' pinned CPUs other processes used while the ranks idled.
+
+    >>> idle = {"seconds": 1.0, "core_cpu": 0.3, "process_cpu": 0.05, "peer_cpu": 0.05}
+    >>> busy_elsewhere({"gloo": [{"idle": idle}, {"idle": idle}]})
+    0.2
+    """
+    shares = [max(0.0, r["idle"].get("core_cpu", 0.0) - r["idle"]["process_cpu"] - r["idle"].get("peer_cpu", 0.0))
+              / r["idle"]["seconds"] for reports in raw.values() for r in reports]
+    return round(mean(shares), 6) if shares else 0.0
 
 
 def summary(calibration: Calibration) -> str:
     """A markdown table of the measured costs."""
     lines = [f"Calibration ({calibration.network}); memcpy {calibration.memcpy_bytes_per_s / 1e9:.2f} GB/s per thread.",
-             "", "| backend | fixed us/op | CPU us/op | CPU ns/byte | rate MB/s | idle CPU ms/s | ours us/op | server us/op | server ns/byte |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| backend | fixed us/op | CPU us/op | CPU ns/byte | rate MB/s | idle CPU ms/s | ours us/op "
+             "| hook us/gradient (ours) | server us/op | server ns/byte |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in calibration.backends.items():
         lines.append(f"| {name} | {c.op_seconds * 1e6:.0f} | {c.cpu_per_op * 1e6:.0f} | {c.cpu_per_byte * 1e9:.3f} | "
                      f"{c.rate / 1e6:.0f} | {c.idle_cpu_per_s * 1e3:.1f} | {c.ours_cpu_per_op * 1e6:.0f} | "
+                     f"{c.hook_cpu * 1e6:.0f} ({c.ours_hook_cpu * 1e6:.0f}) | "
                      f"{c.server_cpu_per_op * 1e6:.0f} | {c.server_cpu_per_byte * 1e9:.3f} |")
     return "\n".join(lines)

@@ -42,6 +42,9 @@ class BackendCosts:
         backend, beyond the backend's own.
     ours_cpu_per_poll: CPU-seconds of one wake-up of bytescheduler's Horovod completion
         poller (a poll and a short sleep).
+    hook_cpu: CPU-seconds the framework's own data-parallel wrapper spends on the training
+        thread per gradient in backward (DDP's reducer, Horovod's hook), beyond its copies.
+    ours_hook_cpu: the same for ScheduledOptimizer's gradient hook (beyond its division).
     server_cpu_per_op, server_cpu_per_byte: a parameter server's CPU per key and per byte
         of each worker's push (sum, update, reply), on the core the server runs on.
     """
@@ -53,6 +56,8 @@ class BackendCosts:
     idle_cpu_per_s: float = 0.0
     ours_cpu_per_op: float = 0.0
     ours_cpu_per_poll: float = 0.0
+    hook_cpu: float = 0.0
+    ours_hook_cpu: float = 0.0
     server_cpu_per_op: float = 0.0
     server_cpu_per_byte: float = 0.0
 
@@ -66,6 +71,7 @@ class Calibration:
     memcpy_bytes_per_s: float = 0.0
     cores: int = 1
     network: str = ""  # where it was measured (loopback, or the shaped testbed's rate)
+    busy_elsewhere: float = 0.0  # share of the ranks' CPUs other processes used meanwhile
     raw: Dict[str, Any] = field(default_factory=dict, compare=False)  # every rank's report, per backend
 
     def backend(self, name: str) -> BackendCosts:
@@ -93,7 +99,7 @@ class Calibration:
         backends = {name: BackendCosts(**{k: float(v) for k, v in costs.items() if k in known})
                     for name, costs in data.get("backends", {}).items()}
         return cls(backends, float(data.get("memcpy_bytes_per_s", 0.0)), int(data.get("cores", 1)),
-                   str(data.get("network", "")), dict(data.get("raw", {})))
+                   str(data.get("network", "")), float(data.get("busy_elsewhere", 0.0)), dict(data.get("raw", {})))
 
     @classmethod
     def load(cls, path: str) -> "Calibration":

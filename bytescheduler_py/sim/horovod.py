@@ -178,7 +178,7 @@ class HorovodAllReduce(Communication):
 
     def gradient_ready(self, grad: Gradient, now: float) -> float:
         self.horovod.enqueue(grad.nbytes, lambda t, grad=grad: self.training.communicated([grad], t))
-        return 0.0
+        return self.horovod.costs.hook_cpu if self.horovod.costs else 0.0  # the hook's allreduce_async_
 
     @property
     def operations(self) -> int:
@@ -198,7 +198,8 @@ class ScheduledHorovod(ScheduledCommunication):
 
     def gradient_ready(self, grad: Gradient, now: float) -> float:
         self.driver.submit(grad, grad.key, grad.nbytes, grad.key)
-        return 0.0  # Horovod averages (op=Average): no division in the hook
+        # Our hook; Horovod averages (op=Average), so the hook divides nothing.
+        return self.horovod.costs.ours_hook_cpu if self.horovod.costs else 0.0
 
     def _launch(self, op: Operation, finished: Callable[[float], None]) -> None:
         self.horovod.enqueue(op.nbytes, self.poller.watch(finished))

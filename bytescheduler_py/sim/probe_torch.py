@@ -10,8 +10,11 @@ process's threads' CPU and the kernel's interrupt work on the CPU the rank is pi
 * ``small``: one-element all-reduces, one after another (the fixed cost of an operation);
 * ``large``: all-reduces of ``--megabytes`` (the rate, and the CPU per byte);
 * ``ours``: bytescheduler's ScheduledOptimizer (scheduled path only) training a model of
-  many small layers: its dispatcher's CPU per operation; with Horovod also the CPU of one
-  poll of a handle (the completion poller's unit of work).
+  many small layers: its dispatcher's CPU per operation and the training thread's backward
+  (its gradient hooks); with Horovod also the CPU of one poll of a handle (the completion
+  poller's unit of work);
+* ``hooks``: the same model's backward on the training thread, plain and with the
+  framework's own wrapper (DDP; Horovod's DistributedOptimizer): its gradient hooks' CPU.
 
 Writes one JSON per rank (``--output``, ``{rank}`` replaced).
 """
@@ -22,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -54,33 +58,58 @@ def _thread_cpu(names: tuple) -> float:
     return sum(seconds.get(tid, 0.0) for tid, (_, name) in thread_roles().items() if name.startswith(names))
 
 
+def layered_model() -> torch.nn.Module:
+    """Many small layers (48 gradients of 256 KiB or 1 KiB): per-gradient costs dominate."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])
+
+
+def backward_cpu(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int = 20,
+                 warmup: int = 5) -> float:
+    """Median CPU seconds of the training thread's backward pass (its gradient hooks included)
+    over ``steps`` after ``warmup``; 0 without steps (a warm-up only)."""
+    inputs = torch.randn(16, 256)
+    samples = []
+    for _ in range(warmup + steps):
+        optimizer.zero_grad()
+        loss = model(inputs).square().mean()
+        start = time.thread_time()
+        loss.backward()
+        samples.append(time.thread_time() - start)
+        optimizer.step()
+    return statistics.median(samples[warmup:]) if steps else 0.0
+
+
 def scheduled_cost(make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer], steps: int = 30,
                    warmup: int = 5) -> Dict[str, float]:
-    """Our dispatcher's (and poller's) CPU over ``steps`` of a model of many small layers."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])
+    """Our dispatcher's (and poller's) CPU, and the training thread's backward, over ``steps``
+    of :func:`layered_model` with ScheduledOptimizer."""
+    model = layered_model()
     optimizer = make_optimizer(model)
-    inputs = torch.randn(16, 256)
     scheduler = optimizer._bytescheduler.scheduler
-
-    def step() -> None:
-        optimizer.zero_grad()
-        model(inputs).square().mean().backward()
-        optimizer.step()
-
-    for _ in range(warmup):
-        step()
+    backward_cpu(model, optimizer, 0, warmup)
     optimizer.synchronize()
     operations = scheduler.stats["operations"]
     dispatch, poll = _thread_cpu(("bytescheduler-dispatch",)), _thread_cpu(("bytescheduler-horovod-poll",))
-    for _ in range(steps):
-        step()
+    backward = backward_cpu(model, optimizer, steps, 0)
     optimizer.synchronize()
     result = {"operations": scheduler.stats["operations"] - operations,
               "dispatch_cpu": _thread_cpu(("bytescheduler-dispatch",)) - dispatch,
-              "poll_cpu": _thread_cpu(("bytescheduler-horovod-poll",)) - poll}
+              "poll_cpu": _thread_cpu(("bytescheduler-horovod-poll",)) - poll, "backward_cpu": backward}
     optimizer.close()
     return result
+
+
+def hook_costs(wrap: Callable[[torch.nn.Module], tuple]) -> Dict[str, float]:
+    """The training thread's backward of :func:`layered_model`, plain and with the framework's
+    own data-parallel wrapper (``wrap(model) -> (model, optimizer)``: DDP, Horovod's
+    DistributedOptimizer): what its gradient hooks cost."""
+    model = layered_model()
+    plain = backward_cpu(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    wrapped = backward_cpu(*wrap(layered_model()))
+    return {"gradients": len(list(model.parameters())),
+            "bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "plain_backward_cpu": plain, "framework_backward_cpu": wrapped}
 
 
 def poll_cost(poll: Callable[[], object], repeats: int = 3000) -> float:
@@ -120,6 +149,10 @@ def main(argv: Optional[list] = None) -> int:
             inner = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                              named_parameters=model.named_parameters())
             return bsc.ScheduledOptimizer(model, inner, 0, adaptive=False)
+
+        def wrap(model: torch.nn.Module) -> tuple:
+            return model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                                   named_parameters=model.named_parameters())
         report["cycle_seconds"] = float(os.environ.get("HOROVOD_CYCLE_TIME", "1")) / 1000.0
     else:
         shutdown = start_gloo(args)
@@ -130,6 +163,12 @@ def main(argv: Optional[list] = None) -> int:
             import bytescheduler.pytorch as bsp
 
             return bsp.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.01), adaptive=False)
+
+        def wrap(model: torch.nn.Module) -> tuple:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel(model)
+            return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
     report.update(rank=rank, world=world, memcpy_bytes_per_s=memcpy_rate())
     usage = Usage()
     for _ in range(20):  # warm up: connections, Horovod's response cache
@@ -144,6 +183,8 @@ def main(argv: Optional[list] = None) -> int:
     report["large"] = repeat(usage, lambda: allreduce(large), args.large_ops, sample_cpu=True, bytes=large.numel() * 4)
     barrier()
     report["ours"] = scheduled_cost(make_optimizer)
+    barrier()
+    report["hooks"] = hook_costs(wrap)
     if args.backend == "horovod":
         handle = hvd.allreduce_async(small, name="bytescheduler.calibrate.poll")
         report["poll_cpu"] = poll_cost(lambda: hvd.poll(handle))

@@ -72,6 +72,10 @@ class Profile:
 def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: int = 2) -> Profile:
     """Profile a bench model (:mod:`bytescheduler.bench.models`) on this machine, one thread.
 
+    Times are the training thread's CPU time (``time.thread_time``; torch runs forward,
+    backward and the hooks on it with one thread), the work the simulator gives a core: on a
+    shared machine the time other processes take the core is left out.
+
     Forward hooks time each parameter-owning module's end; post-accumulate-grad hooks time
     each gradient's readiness; medians over ``iterations`` after ``warmup``. Forward time
     outside those modules (activations, the tied logits) counts to the layer it follows.
@@ -93,7 +97,7 @@ def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: 
     ready: Dict[int, float] = {}
     handles = []
     def stamp(table: Dict[int, float], key: int) -> None:  # hooks must return None
-        table.setdefault(key, time.perf_counter())
+        table.setdefault(key, time.thread_time())
 
     for index, (_, module, params) in enumerate(owners):
         handles.append(module.register_forward_hook(lambda *_, index=index: stamp(ends, index)))
@@ -105,13 +109,13 @@ def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: 
             ends.clear()
             ready.clear()
             optimizer.zero_grad()
-            start = time.perf_counter()
+            start = time.thread_time()
             loss = F.cross_entropy(model(inputs), targets)
-            forward_end = time.perf_counter()
+            forward_end = time.thread_time()
             loss.backward()
-            backward_end = time.perf_counter()
+            backward_end = time.thread_time()
             optimizer.step()
-            step_end = time.perf_counter()
+            step_end = time.thread_time()
             if iteration < warmup:
                 continue
             forward, last = [], start

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ..bench.common import pinned_cpu, thread_cpu_seconds
+from ..bench.common import cpu_busy_seconds, pinned_cpu, thread_cpu_seconds
 
 
 def interrupt_seconds(cpu: int) -> float:
@@ -53,6 +53,7 @@ class Usage:
     ``peers``: pids of the job's other processes on this rank's core (their CPU is reported
     as ``peer_cpu``). ``caller_cpu`` is the CPU of the thread that made the Usage (the one
     calling the operations; Horovod's ``synchronize`` spins on it while it waits).
+    ``core_cpu`` is the pinned core's whole busy time (other people's processes included).
     """
 
     def __init__(self, peers: Optional[List[int]] = None) -> None:
@@ -64,6 +65,7 @@ class Usage:
     def _now(self) -> Dict[str, float]:
         threads = thread_cpu_seconds()
         return {"seconds": time.perf_counter(),
+                "core_cpu": cpu_busy_seconds(self.cpu) if self.cpu is not None else 0.0,
                 "process_cpu": sum(threads.values()),
                 "caller_cpu": threads.get(self.caller, 0.0),
                 "interrupt_cpu": interrupt_seconds(self.cpu) if self.cpu is not None else 0.0,

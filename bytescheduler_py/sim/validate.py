@@ -9,7 +9,9 @@ all-reduce; ``none``: loopback, no link limit), the calibration of that link
 (``<calibrations>/<rate>.json``, from ``bytescheduler calibrate --bandwidth <rate>``) and
 the model's profile (``<profiles>/<model>.json``; measured here and saved when missing),
 scaled so that its compute-only iteration equals the run's own ``compute`` row (the
-machine's speed that day; a run without one takes another run's of the same model). A
+machine's speed that day; a run without one takes another run's of the same model), phase
+by phase when the run kept its traces (``traces/compute.json``). A run of fewer systems
+replaces the same systems' rows of a larger run of the same model and link (a re-run). A
 scheduled system is compared on the path its timed steps took (the mode switch's:
 "steps on the framework's path"), and the table also shows which path the simulator's
 switch would pick. Prints a markdown table; ``--json`` writes the rows.
@@ -23,7 +25,7 @@ import os
 import re
 import statistics
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .calibration import Calibration
 from .engine import canonical, simulate
@@ -34,18 +36,40 @@ from .profile import Profile, measure
 _BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
 
 
-def scaled(profile: Profile, factor: float) -> Profile:
-    """``profile`` with every time multiplied by ``factor`` (a machine ``factor`` times slower).
+def scaled(profile: Profile, factor: float, backward: Optional[float] = None, step: Optional[float] = None) -> Profile:
+    """``profile`` with its forward times multiplied by ``factor``, its backward (and every
+    gradient's moment in it) by ``backward`` and its step by ``step`` (both default:
+    ``factor``): a machine that many times slower in each phase.
 
     >>> from bytescheduler.sim.profile import Layer, Tensor
     >>> p = Profile("p", (Layer("a", 0.1, (Tensor(4, 0.2),)),), 0.3, 0.05)
-    >>> round(scaled(p, 2.0).compute_s, 3)
-    0.9
+    >>> round(scaled(p, 2.0).compute_s, 3), round(scaled(p, 1.0, 1.0, 3.0).compute_s, 3)
+    (0.9, 0.55)
     """
+    backward = factor if backward is None else backward
+    step = factor if step is None else step
     layers = tuple(replace(layer, forward_s=layer.forward_s * factor,
-                           tensors=tuple(replace(t, ready_s=t.ready_s * factor) for t in layer.tensors))
+                           tensors=tuple(replace(t, ready_s=t.ready_s * backward) for t in layer.tensors))
                    for layer in profile.layers)
-    return Profile(profile.model, layers, profile.backward_s * factor, profile.step_s * factor)
+    return Profile(profile.model, layers, profile.backward_s * backward, profile.step_s * step)
+
+
+def traced_phases(folder: str) -> Optional[Tuple[float, float, float]]:
+    """The median forward, backward and step of the ``compute`` system on rank 0, from the
+    bench's ``traces/compute.json`` beside its results (None when it was not kept)."""
+    path = os.path.join(folder, "traces", "compute.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        events = json.load(handle)
+    phases = {}
+    for name in ("forward", "backward", "step"):
+        spans = [e["dur"] / 1e6 for e in events
+                 if e.get("cat") == "compute:compute" and e.get("pid") == 0 and e.get("name") == name]
+        if not spans:
+            return None
+        phases[name] = statistics.median(spans)
+    return phases["forward"], phases["backward"], phases["step"]
 
 
 def rate_name(results: dict) -> str:
@@ -74,17 +98,27 @@ def _compute_rows(runs: List[dict]) -> Dict[str, List[float]]:
     return rows
 
 
-def compare(runs: List[dict], profiles: str, calibrations: Optional[str], iterations: int = 8) -> List[dict]:
-    """One row per (run, system): measured and predicted seconds and speedups."""
+def compare(runs: List[dict], profiles: str, calibrations: Optional[str], iterations: int = 8,
+            folders: Optional[List[str]] = None) -> List[dict]:
+    """One row per (run, system): measured and predicted seconds and speedups. A run of fewer
+    systems replaces the rows of the same model, link and systems of a larger one (a re-run
+    of some systems, as the bench's ``-horovod`` folders are); otherwise a later run's do."""
     compute_rows = _compute_rows(runs)
-    rows = []
-    for results in runs:
+    rows: Dict[Tuple[str, str, str], dict] = {}
+    order = sorted(range(len(runs)), key=lambda number: -len(runs[number]["systems"]))
+    for number in order:
+        results = runs[number]
         model, rate = results["model"], rate_name(results)
         profile = _load_profile(model, profiles)
         systems = results["systems"]
         own = systems.get("compute", {}).get("median_s")
         compute = own if own is not None else statistics.median(compute_rows.get(model, [profile.compute_s]))
-        profile = scaled(profile, compute / profile.compute_s)
+        phases = traced_phases(folders[number]) if folders else None
+        if phases is not None:  # the run's own split of forward, backward and step
+            profile = scaled(profile, phases[0] / profile.forward_s, phases[1] / profile.backward_s,
+                             phases[2] / profile.step_s if profile.step_s else 1.0)
+        else:
+            profile = scaled(profile, compute / profile.compute_s)
         calibration = None
         if calibrations:
             calibration = Calibration.load(os.path.join(calibrations, f"{rate}.json"))
@@ -107,8 +141,8 @@ def compare(runs: List[dict], profiles: str, calibrations: Optional[str], iterat
             if baseline in systems and baseline in predicted:
                 row["measured_speedup"] = systems[baseline]["median_s"] / measured
                 row["predicted_speedup"] = predicted[baseline][1] / seconds
-            rows.append(row)
-    return rows
+            rows[(model, rate, system)] = row
+    return sorted(rows.values(), key=lambda row: (row["model"], row["link"]))
 
 
 def table(rows: List[dict]) -> str:
@@ -136,7 +170,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for path in args.results:
         with open(path) as handle:
             runs.append(json.load(handle))
-    rows = compare(runs, args.profiles, args.calibrations, args.iterations)
+    rows = compare(runs, args.profiles, args.calibrations, args.iterations,
+                   [os.path.dirname(path) for path in args.results])
     print(table(rows))
     errors = [abs(row["error"]) for row in rows if row["system"] != "compute"]
     if errors:
