@@ -131,6 +131,7 @@ class Fluid:
             for resource in activity.demand:
                 users.setdefault(resource, []).append(index)
         for _ in range(_ROUNDS):
+            changed = False
             for resource, members in users.items():
                 capacity = self.capacities.get(resource, math.inf)
                 ceilings = []
@@ -141,12 +142,17 @@ class Fluid:
                     if is_core(resource):
                         ceiling = min(ceiling, 1.0)  # one thread, one core
                     ceilings.append(ceiling)
-                if math.isinf(capacity):
-                    shares = ceilings
+                if math.isinf(capacity) or sum(ceilings) <= capacity:
+                    shares = ceilings  # room for everyone's wish
                 else:
                     shares = waterfill(capacity, ceilings)
                 for index, share in zip(members, shares):
-                    limits[index][resource] = share / active[index].demand[resource]
+                    rate = share / active[index].demand[resource]
+                    if rate != limits[index][resource]:
+                        limits[index][resource] = rate
+                        changed = True
+            if not changed:
+                break
         for activity, limit in zip(active, limits):
             activity.rate = min(limit.values(), default=math.inf)
 

@@ -20,14 +20,16 @@ What Horovod does, read in its source (github.com/horovod/horovod, tag v0.28.1):
   several tensors is copied into the fusion buffer (``MemcpyInFusionBuffer``), a single
   tensor into its output buffer; then gloo's all-reduce; then the averaging pass
   (``ScaleBuffer`` with the post-scale factor); then, for several tensors, the copy out of
-  the fusion buffer (``MemcpyOutFusionBuffer``).
+  the fusion buffer (``MemcpyOutFusionBuffer``): one after another on the background
+  thread, so the link idles during the copies and the averaging. (A single tensor reduced
+  in place is "copied" onto itself, which glibc's ``memcpy`` skips.)
 
 Every rank queues the same tensors at about the same moments (ranks compute alike), so a
 tensor is queued on every rank when it is queued here. The per-turn negotiation costs one
 small all-reduce's fixed wait and, with a calibration, the CPU Horovod was measured to burn
 per second with nothing to do; each operation costs Horovod's measured CPU per operation
-and per byte (which include its copy in and its averaging pass), a fused one also the copy
-out of the fusion buffer.
+and per byte, its averaging pass (and, fused, its copies in and out) as passes of their
+own at the measured copy rate.
 
 Systems:
 
@@ -44,6 +46,7 @@ Systems:
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from ..core.config import SchedulerConfig
@@ -131,11 +134,31 @@ class HorovodThread:
         for response in self._responses(taken):
             nbytes = sum(size for size, _ in response)
             self.operations += 1
-            phases = allreduce_phases(self.network, self.ranks, nbytes, self.costs, "all-reduce")
-            if len(response) > 1 and self.calibration is not None:  # out of the fusion buffer
-                phases.append(cpu("copy out", self.calibration.memcpy_seconds(nbytes), "copy"))
-            self.thread.run(phases, lambda t, response=response: [done(t) for _, done in response])
+            self.thread.run(self._execute(nbytes, len(response) > 1),
+                            lambda t, response=response: [done(t) for _, done in response])
         self.thread.run([], lambda t: self.sim.at(self._turn_began + self.cycle_seconds, self._turn))
+
+    def _execute(self, nbytes: int, fused: bool) -> List[Phase]:
+        """``GlooAllreduce::Execute``, one after another on this thread: (fused) the copy into
+        the fusion buffer, gloo's all-reduce, the averaging pass, (fused) the copy out.
+
+        A single tensor is reduced in place: its "copy" into the output is a ``memcpy`` onto
+        itself, which glibc returns from at once (``memmove-vec-unaligned-erms.S``: "Source
+        == destination is less common"). The calibration's CPU per byte was measured over
+        such operations, so it holds the averaging pass; that pass runs here on its own,
+        the link idle, and gloo's all-reduce gets the rest.
+        """
+        if self.calibration is None or self.costs is None:
+            return allreduce_phases(self.network, self.ranks, nbytes, self.costs, "all-reduce")
+        copy = self.calibration.memcpy_seconds(nbytes)
+        averaging = self.calibration.memcpy_seconds(1.0)  # CPU-seconds per byte of a pass over the buffer
+        gloo = replace(self.costs, cpu_per_byte=max(0.0, self.costs.cpu_per_byte - averaging))
+        phases: List[Phase] = [cpu("copy in", copy, "copy")] if fused else []
+        phases += allreduce_phases(self.network, self.ranks, nbytes, gloo, "all-reduce")
+        phases.append(cpu("average", copy, "copy"))
+        if fused:
+            phases.append(cpu("copy out", copy, "copy"))
+        return phases
 
 
 class Poller:
