@@ -166,8 +166,10 @@ class Poller:
     order, sleeping between polls, 10 us after a completion, doubling to 1 ms otherwise; it
     blocks (and wakes at once) when nothing is in flight."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulation, cpu_per_wake: float = 0.0) -> None:
         self.sim = sim
+        self.cpu_per_wake = cpu_per_wake
+        self.thread = Thread(sim, "poll")
         self._waiting: Deque[List[Any]] = deque()  # [completed at (None: not yet), seen]
         self._pause = POLL_FIRST_SECONDS
         self._sleeping = False
@@ -182,6 +184,8 @@ class Poller:
         return lambda now: entry.__setitem__(0, now)
 
     def _poll(self, now: float) -> None:
+        if self.cpu_per_wake > 0 and self.thread.idle:  # a poll and a sleep's wake-up
+            self.thread.run([cpu("poll", self.cpu_per_wake, "dispatch")])
         finished = 0
         while self._waiting and self._waiting[0][0] is not None:
             _, seen = self._waiting.popleft()
@@ -214,8 +218,8 @@ class ScheduledHorovod(ScheduledCommunication):
 
     def __init__(self, sim: Simulation, horovod: HorovodThread, config: SchedulerConfig) -> None:
         self.horovod = horovod
-        self.poller = Poller(sim)
         costs = horovod.costs
+        self.poller = Poller(sim, costs.ours_cpu_per_poll if costs else 0.0)
         self.driver = PolicyDriver(sim, config.with_options(merge=False), 1, self._launch, self._done,
                                    cpu_per_op=costs.ours_cpu_per_op if costs else 0.0)
 
