@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from bytescheduler.sim.calibrate import derive
-from bytescheduler.sim.calibration import Calibration
+from bytescheduler.sim.calibration import Calibration, derive
 
 
 def _calibrate(tmp_path, backend):

@@ -1,5 +1,8 @@
 """What communication costs on a machine: per backend, measured by ``bytescheduler calibrate``.
 
+:func:`derive` turns the ranks' reports of a probe (:mod:`~bytescheduler.sim.probe_torch`,
+:mod:`~bytescheduler.sim.probe_mxnet`) into a backend's :class:`BackendCosts`.
+
 A :class:`Calibration` holds, for each backend (``gloo``, ``horovod``, ``ps-lite``), the
 fixed wall time of one small operation, the CPU one operation and one byte cost the rank's
 core (every thread of the rank's processes and the kernel's network work on that core), and
@@ -20,8 +23,10 @@ ValueError: the calibration has no 'horovod' costs (it has gloo): run `bytesched
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict
+from statistics import mean
+from typing import Any, Dict, List
 
 BACKENDS = ("gloo", "horovod", "ps-lite")
 
@@ -112,3 +117,96 @@ class Calibration:
         except (ValueError, TypeError, KeyError) as error:
             raise ValueError(f"{path!r} is not a calibration written by `bytescheduler calibrate` ({error})") from None
 
+
+def _cpu(phase: Dict[str, float], spins: bool = False) -> float:
+    """CPU a rank spent in a phase: its process's threads (their system time includes the
+    kernel's sending and receiving); ``spins``: without the calling thread, which only
+    waited (Horovod's ``synchronize`` polls, yielding the core to any thread that wants it).
+    The interrupt work on the core is recorded but left out: on a shared machine it counts
+    other people's traffic too, and on the quiet bench machine it was a few ms per iteration
+    (``rest of the core`` in docs/bench)."""
+    return phase["process_cpu"] - (phase.get("caller_cpu", 0.0) if spins else 0.0)
+
+
+def derive(backend: str, reports: List[dict]) -> BackendCosts:
+    """One backend's costs from its ranks' reports (means over the ranks).
+
+    Per rank: the idle phase gives the CPU burnt with nothing to do (per second); the small
+    operations' phase, less that, the CPU per operation, and the median small operation
+    the fixed cost; the large operations, each less the CPU per operation, the CPU per byte
+    (their median) and, the fastest, the rate. Medians and the fastest, because a shared
+    machine's other work stretches some operations. Horovod's back-to-back small operations
+    take one cycle when negotiation and the all-reduce fit in it, so its fixed cost is what
+    they took beyond the cycle; its background thread does not turn idle while it runs a
+    large operation, so nothing idle is taken off those. ps-lite's servers (one on each
+    rank's core) are measured apart, per operation and per byte of each worker's push.
+
+    >>> phase = lambda s, cpu, **kw: dict(seconds=s, process_cpu=cpu, interrupt_cpu=0.5, **kw)
+    >>> rank = {"idle": phase(1.0, 0.0), "small": phase(0.1, 0.05, ops=500, walls=[2e-4] * 500),
+    ...         "large": phase(1.0, 0.15, ops=4, bytes=25_000_000, walls=[0.25] * 4, cpus=[0.0375] * 4),
+    ...         "ours": {"operations": 0}}
+    >>> costs = derive("gloo", [rank, rank])
+    >>> costs.op_seconds, costs.cpu_per_op, round(costs.cpu_per_byte * 1e9, 3), costs.rate
+    (0.0002, 0.0001, 1.496, 100000000.0)
+    """
+    op_seconds, cpu_op, cpu_byte, rates, idle, ours, polls, server_op, server_byte, hooks, our_hooks = (
+        [] for _ in range(11))
+    spins = backend == "horovod"
+    for report in reports:
+        burn = _cpu(report["idle"], spins) / report["idle"]["seconds"]
+        small, large = report["small"], report["large"]
+        per_op = max(0.0, (_cpu(small, spins) - burn * small["seconds"]) / small["ops"])
+        wall = statistics.median(small["walls"])
+        if backend == "horovod":
+            wall = max(0.0, wall - report.get("cycle_seconds", 1e-3))
+        callers = large.get("caller_cpus", [0.0] * large["ops"]) if spins else [0.0] * large["ops"]
+        per_byte = statistics.median(
+            max(0.0, cpu - caller - (0.0 if spins else burn * seconds) - per_op) / large["bytes"]
+            for cpu, caller, seconds in zip(large["cpus"], callers, large["walls"]))
+        if backend == "ps-lite":
+            moved = large["ops"] * large["bytes"]
+            server_burn = report["idle"].get("peer_cpu", 0.0) / report["idle"]["seconds"]
+            server_op.append(max(0.0, small.get("peer_cpu", 0.0) - server_burn * small["seconds"]) / small["ops"])
+            server_byte.append(max(0.0, large.get("peer_cpu", 0.0) - server_burn * large["seconds"]) / moved)
+        op_seconds.append(wall)
+        cpu_op.append(per_op)
+        cpu_byte.append(per_byte)
+        rates.append(large["bytes"] / min(large["walls"]))
+        idle.append(burn)
+        done = report.get("ours", {})
+        if done.get("operations"):
+            ours.append(done["dispatch_cpu"] / done["operations"])
+        if "poll_cpu" in report:
+            polls.append(report["poll_cpu"])
+        if "hooks" in report:
+            hook = report["hooks"]
+            copy = hook["bytes"] / report["memcpy_bytes_per_s"]
+            # DDP copies every gradient into its bucket and back (gloo); Horovod copies none
+            # in the hook. ScheduledOptimizer over gloo divides each gradient (one pass).
+            copies, our_copies = (2, 1) if backend == "gloo" else (0, 0)
+            plain = hook["plain_backward_cpu"]
+            hooks.append(max(0.0, hook["framework_backward_cpu"] - plain - copies * copy) / hook["gradients"])
+            if done.get("backward_cpu"):
+                our_hooks.append(max(0.0, done["backward_cpu"] - plain - our_copies * copy) / hook["gradients"])
+    workers = len(reports)
+    return BackendCosts(
+        op_seconds=mean(op_seconds), cpu_per_op=mean(cpu_op), cpu_per_byte=mean(cpu_byte), rate=mean(rates),
+        idle_cpu_per_s=mean(idle), ours_cpu_per_op=mean(ours) if ours else 0.0,
+        ours_cpu_per_poll=mean(polls) if polls else 0.0,
+        hook_cpu=mean(hooks) if hooks else 0.0, ours_hook_cpu=mean(our_hooks) if our_hooks else 0.0,
+        # A small key lives on one server: the servers' CPU per operation is the sum over ranks.
+        server_cpu_per_op=sum(server_op) if server_op else 0.0,
+        # Every server's CPU, per byte of each worker's push (the key is split over all servers).
+        server_cpu_per_byte=sum(server_byte) / workers if server_byte else 0.0)
+
+
+def busy_elsewhere(raw: Dict[str, List[dict]]) -> float:
+    """The share of the ranks' pinned CPUs other processes used while the ranks idled.
+
+    >>> idle = {"seconds": 1.0, "core_cpu": 0.3, "process_cpu": 0.05, "peer_cpu": 0.05}
+    >>> busy_elsewhere({"gloo": [{"idle": idle}, {"idle": idle}]})
+    0.2
+    """
+    shares = [max(0.0, r["idle"].get("core_cpu", 0.0) - r["idle"]["process_cpu"] - r["idle"].get("peer_cpu", 0.0))
+              / r["idle"]["seconds"] for reports in raw.values() for r in reports]
+    return round(mean(shares), 6) if shares else 0.0

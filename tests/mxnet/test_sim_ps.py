@@ -1,10 +1,17 @@
-"""The simulator's parameter server uses ScheduledKVStore's own defaults and key layout."""
+"""The simulator's parameter server uses ScheduledKVStore's own defaults and key layout; the
+calibration probe measures a real ps-lite job."""
+
+import json
+import subprocess
+import sys
 
 import mxnet as mx
+import pytest
 
 from bytescheduler.mxnet.keys import SUBKEY_BASE, KeyLayout
 from bytescheduler.mxnet.kvstore import KVSTORE_DEFAULTS
 from bytescheduler.sim import ps
+from bytescheduler.sim.calibration import derive
 from bytescheduler.sim.engine import default_config
 from bytescheduler.sim.training import Gradient
 
@@ -25,3 +32,22 @@ def test_the_simulated_layout_is_the_stores():
         keys = simulated[info.key]
         assert [k.key for k in keys] == list(info.subkeys)
         assert [k.nbytes for k in keys] == [(stop - start) * 4 for start, stop in info.grains]
+
+
+@pytest.mark.timeout(300)
+def test_the_calibration_probe_measures_ps_lite(tmp_path, marker):
+    """The probe ``bytescheduler calibrate`` runs on each worker, on a real ps-lite job (2
+    workers, 2 servers; not pinned, so the servers' CPU is not told apart here)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bytescheduler.launcher", "-n", "2", "-s", "2", "--deadline", "200", "--",
+         sys.executable, "-m", "bytescheduler.sim.probe_mxnet", "--small-ops", "40", "--large-ops", "3",
+         "--megabytes", "8", "--output", str(tmp_path / "rank{rank}.json")],
+        capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["rank"] for r in reports] == [0, 1] and all(r["world"] == 2 for r in reports)
+    costs = derive("ps-lite", reports)
+    memcpy = min(r["memcpy_bytes_per_s"] for r in reports)
+    # A push-pull of 8 MiB through the loopback moves every byte at least twice.
+    assert 0 < costs.rate < memcpy
+    assert 0 < costs.op_seconds < 0.1 and costs.cpu_per_op > 0 and 0 < costs.cpu_per_byte < 1e-7
