@@ -31,7 +31,7 @@ def _train_with_timeline(rank, world_size, path):
     return [p.numel() * p.element_size() for p in model.parameters()]
 
 
-def test_a_recorded_run_becomes_a_profile_and_a_prediction(tmp_path):
+def test_a_recorded_run_becomes_a_profile_and_a_prediction(tmp_path, capsys):
     sizes = run_ranks(_train_with_timeline, 2, args=(str(tmp_path / "trace.json"),), deadline=180)[0]
     profile = profile_from_trace([str(tmp_path / "trace.rank0.json")])
     assert [layer.name for layer in profile.layers] == ["0", "2", "4"]
@@ -45,6 +45,12 @@ def test_a_recorded_run_becomes_a_profile_and_a_prediction(tmp_path):
     assert result.seconds >= profile.forward_s + profile.backward_s
     rank1 = profile_from_trace([str(tmp_path / "trace.rank1.json")])
     assert [t.nbytes for layer in rank1.layers for t in layer.tensors] == sizes
+    from bytescheduler.cli import main
+
+    assert main(["simulate", "--trace", str(tmp_path / "trace.rank0.json"), "--ranks", "8", "--bandwidth", "10gbit",
+                 "--systems", "ddp", "scheduled", "--save-profile", str(tmp_path / "profile.json")]) == 0
+    assert "| 8 | 10gbit | scheduled |" in capsys.readouterr().out
+    assert (tmp_path / "profile.json").read_text() == profile.to_json().replace('"trace"', '"trace.rank0.json"')
 
 
 def test_a_trace_without_compute_spans_says_what_to_record(tmp_path):
