@@ -23,7 +23,6 @@ ValueError: the calibration has no 'horovod' costs (it has gloo): run `bytesched
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import asdict, dataclass, field, fields
 from statistics import mean
 from typing import Any, Dict, List
@@ -128,18 +127,31 @@ def _cpu(phase: Dict[str, float], spins: bool = False) -> float:
     return phase["process_cpu"] - (phase.get("caller_cpu", 0.0) if spins else 0.0)
 
 
+def low(samples: List[float], share: float = 0.1) -> float:
+    """The ``share`` quantile of ``samples`` (the least contended of them).
+
+    >>> low([5.0, 1.0, 2.0, 3.0, 4.0, 9.0, 6.0, 7.0, 8.0, 10.0])
+    1.0
+    """
+    ordered = sorted(samples)
+    return ordered[int(share * (len(ordered) - 1))]
+
+
 def derive(backend: str, reports: List[dict]) -> BackendCosts:
     """One backend's costs from its ranks' reports (means over the ranks).
 
     Per rank: the idle phase gives the CPU burnt with nothing to do (per second); the small
-    operations' phase, less that, the CPU per operation, and the median small operation
-    the fixed cost; the large operations, each less the CPU per operation, the CPU per byte
-    (their median) and, the fastest, the rate. Medians and the fastest, because a shared
-    machine's other work stretches some operations. Horovod's back-to-back small operations
-    take one cycle when negotiation and the all-reduce fit in it, so its fixed cost is what
-    they took beyond the cycle; its background thread does not turn idle while it runs a
-    large operation, so nothing idle is taken off those. ps-lite's servers (one on each
-    rank's core) are measured apart, per operation and per byte of each worker's push.
+    operations give the fixed cost (their wall time) and the CPU per operation (their
+    phase's CPU, less the idle burn meanwhile); the large ones, each less the CPU per
+    operation, the CPU per byte and the rate. Of the single operations the least contended
+    ones count (the 10% quantile of the small ones' walls, the cheapest and the fastest
+    large one): other work on a shared machine only ever adds, and the CPU model adds the
+    contention it models itself.
+    Horovod's back-to-back small operations take one cycle when negotiation and the
+    all-reduce fit in it, so its fixed cost is what they took beyond the cycle; its
+    background thread does not turn idle while it runs a large operation, so nothing idle
+    is taken off those. ps-lite's servers (one on each rank's core) are measured apart, per
+    operation and per byte of each worker's push.
 
     >>> phase = lambda s, cpu, **kw: dict(seconds=s, process_cpu=cpu, interrupt_cpu=0.5, **kw)
     >>> rank = {"idle": phase(1.0, 0.0), "small": phase(0.1, 0.05, ops=500, walls=[2e-4] * 500),
@@ -155,13 +167,15 @@ def derive(backend: str, reports: List[dict]) -> BackendCosts:
     for report in reports:
         burn = _cpu(report["idle"], spins) / report["idle"]["seconds"]
         small, large = report["small"], report["large"]
+        # A thread's CPU counter moves in steps (at switches and ticks): read over a whole phase.
         per_op = max(0.0, (_cpu(small, spins) - burn * small["seconds"]) / small["ops"])
-        wall = statistics.median(small["walls"])
+        wall = low(small["walls"])
         if backend == "horovod":
             wall = max(0.0, wall - report.get("cycle_seconds", 1e-3))
         callers = large.get("caller_cpus", [0.0] * large["ops"]) if spins else [0.0] * large["ops"]
-        per_byte = statistics.median(
-            max(0.0, cpu - caller - (0.0 if spins else burn * seconds) - per_op) / large["bytes"]
+        reading = large.get("sampler_cpu", 0.0)
+        per_byte = min(
+            max(0.0, cpu - caller - reading - (0.0 if spins else burn * seconds) - per_op) / large["bytes"]
             for cpu, caller, seconds in zip(large["cpus"], callers, large["walls"]))
         if backend == "ps-lite":
             moved = large["ops"] * large["bytes"]

@@ -23,7 +23,7 @@ from ..core.config import parse_size
 from .calibration import Calibration
 from .engine import SYSTEM_NAMES, SYSTEMS, Result, canonical, default_config, simulate
 from .network import Network, parse_rate
-from .profile import Profile, measure
+from .profile import Profile, measure, scaled
 
 # What each scheduled system's speedup is against: its framework's own system.
 BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "ps-scheduled": "ps"}
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="build the profile from a recorded run's Chrome trace (a rank's timeline, "
                              "e.g. bench traces/scheduled.rank0.json; a bench compute.json may be added)")
     parser.add_argument("--save-profile", help="write the profile to this JSON file")
+    parser.add_argument("--compute-s", type=float, metavar="SECONDS",
+                        help="scale the profile so that its compute-only iteration takes SECONDS (another "
+                             "machine's speed, e.g. a bench run's compute row)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--bandwidth", nargs="+", default=["1gbit"],
                         help="each rank's link, e.g. 1gbit 25gbit, or none (loopback: no link limit)")
@@ -72,6 +75,10 @@ def _profile(args: argparse.Namespace) -> Profile:
         profile = profile_from_trace(args.trace, model=os.path.basename(args.trace[0]))
     else:
         profile = measure(args.model, args.batch_size)
+    if args.compute_s:
+        if not args.compute_s > 0:
+            raise ValueError(f"--compute-s must be positive, not {args.compute_s}")
+        profile = scaled(profile, args.compute_s / profile.compute_s)
     if args.save_profile:
         with open(args.save_profile, "w") as handle:
             handle.write(profile.to_json())
@@ -137,8 +144,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     parser.error(f"{system}: {error}")
             for system, result in results.items():
                 plain = f"{result.plain_seconds:.3f}" if result.plain_seconds is not None else ""
-                switch = (f"{result.chosen_path} ({_speedup(results, system, result.chosen_seconds)})"
-                          if result.plain_seconds is not None else "")
+                switch = ""
+                if result.plain_seconds is not None:
+                    chosen = _speedup(results, system, result.chosen_seconds)
+                    switch = f"{result.chosen_path} ({chosen})" if chosen else result.chosen_path
                 core = f"{100 * result.core_busy:.0f}%" if calibration else ""
                 lines.append(f"| {ranks} | {rate} | {system} | {result.seconds:.3f} | "
                              f"{_speedup(results, system, result.seconds)} | {plain} | {switch} | "

@@ -88,8 +88,9 @@ class Simulation:
         self._order = itertools.count()
         self.record = record
         self.spans: List[Span] = []
-        # Cores the simulated rank's threads also load, standing for every rank's threads
-        # (the parameter server's machines, see :mod:`bytescheduler.sim.ps`).
+        # Other machines' cores, where the simulated rank's threads stand for their own
+        # (shadows: they take the same share there, and the other machine's server the rest;
+        # the parameter server's machines, see :mod:`bytescheduler.sim.ps`).
         self.mirror_cores: Tuple[str, ...] = ()
 
     def at(self, when: float, action: Callback) -> None:
@@ -165,10 +166,11 @@ class Thread:
                     sim.at(sim.now + phase.seconds, self._phase_ended)
                     return
             elif phase.amount > 0:
-                demand = phase.demand
-                if self.mirrored and sim.mirror_cores and CORE in demand:
-                    demand = dict(demand, **{core: demand[CORE] for core in sim.mirror_cores})
-                activity = Activity(phase.name, phase.amount, demand, on_done=self._phase_ended, tag=job.tag,
+                shadow = None
+                if self.mirrored and sim.mirror_cores and CORE in phase.demand:
+                    shadow = {core: phase.demand[CORE] for core in sim.mirror_cores}
+                activity = Activity(phase.name, phase.amount, phase.demand, on_done=self._phase_ended, tag=job.tag,
+                                    shadow=shadow,
                                     milestones=tuple(min(level, phase.amount) for level in phase.milestones))
                 if phase.on_milestone is not None:
                     activity.on_milestone = self._milestone_handler(activity, phase.on_milestone)

@@ -16,6 +16,15 @@ what it can use and leaves the rest to the others.
 (1.0, 0.8)
 >>> [(a.name, milestone) for a, milestone in fluid.advance(fluid.next_time())], fluid.now
 ([('all-reduce', None)], 1.0)
+
+A shadow competes for its share of a resource but is never slowed by it (the same thread
+on another machine, where that machine's server runs):
+
+>>> fluid = Fluid({"core": 1.0, "core@1": 1.0})
+>>> training = fluid.start(Activity("backward", 1.0, {"core": 1.0}, shadow={"core@1": 1.0}), now=0.0)
+>>> server = fluid.start(Activity("server 1", 1.0, {"core@1": 1.0}), now=0.0)
+>>> fluid.allocate(); training.rate, server.rate
+(1.0, 0.5)
 """
 
 from __future__ import annotations
@@ -43,16 +52,20 @@ class Activity:
     :meth:`Fluid.allocate`.
     """
 
-    __slots__ = ("name", "work", "done", "demand", "rate", "milestones", "next_milestone", "on_milestone",
+    __slots__ = ("name", "work", "done", "demand", "shadow", "rate", "milestones", "next_milestone", "on_milestone",
                  "on_done", "started", "tag")
 
     def __init__(self, name: str, work: float, demand: Dict[str, float],
                  on_done: Optional[Callable[[float], None]] = None, milestones: Tuple[float, ...] = (),
-                 on_milestone: Optional[Callable[[int, float], None]] = None, tag: object = None) -> None:
+                 on_milestone: Optional[Callable[[int, float], None]] = None, tag: object = None,
+                 shadow: Optional[Dict[str, float]] = None) -> None:
         self.name = name
         self.work = max(0.0, work)
         self.done = 0.0
         self.demand = {resource: amount for resource, amount in demand.items() if amount > 0}
+        # Resources it takes the same share of, without being held back by them: the other
+        # machines' cores, where the same thread of every rank runs alike (see ps.py).
+        self.shadow = {resource: amount for resource, amount in (shadow or {}).items() if amount > 0}
         self.rate = 0.0
         self.milestones = list(milestones)
         self.next_milestone = 0
@@ -127,9 +140,12 @@ class Fluid:
         active = self.active
         limits = [dict.fromkeys(a.demand, math.inf) for a in active]  # rate each resource allows
         users: Dict[str, List[int]] = {}
+        shadows: Dict[str, List[int]] = {}
         for index, activity in enumerate(active):
             for resource in activity.demand:
                 users.setdefault(resource, []).append(index)
+            for resource in activity.shadow:
+                shadows.setdefault(resource, []).append(index)
         for _ in range(_ROUNDS):
             changed = False
             for resource, members in users.items():
@@ -142,6 +158,11 @@ class Fluid:
                     if is_core(resource):
                         ceiling = min(ceiling, 1.0)  # one thread, one core
                     ceilings.append(ceiling)
+                # A shadow competes for its share like any user, but keeps its own rate.
+                for index in shadows.get(resource, ()):
+                    rate = min(limits[index].values(), default=math.inf)
+                    ceiling = active[index].shadow[resource] * rate
+                    ceilings.append(min(ceiling, 1.0) if is_core(resource) else ceiling)
                 if math.isinf(capacity) or sum(ceilings) <= capacity:
                     shares = ceilings  # room for everyone's wish
                 else:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Tuple
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,21 @@ def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: 
         layers.append(Layer(name, statistics.median(sample[0][index] for sample in samples), tensors))
     return Profile(model_name, tuple(layers), statistics.median(s[2] for s in samples),
                    statistics.median(s[3] for s in samples))
+
+
+def scaled(profile: Profile, factor: float, backward: Optional[float] = None, step: Optional[float] = None) -> Profile:
+    """``profile`` with its forward times multiplied by ``factor``, its backward (and every
+    gradient's moment in it) by ``backward`` and its step by ``step`` (both default:
+    ``factor``): a machine that many times slower in each phase.
+
+    >>> from bytescheduler.sim.profile import Layer, Tensor
+    >>> p = Profile("p", (Layer("a", 0.1, (Tensor(4, 0.2),)),), 0.3, 0.05)
+    >>> round(scaled(p, 2.0).compute_s, 3), round(scaled(p, 1.0, 1.0, 3.0).compute_s, 3)
+    (0.9, 0.55)
+    """
+    backward = factor if backward is None else backward
+    step = factor if step is None else step
+    layers = tuple(replace(layer, forward_s=layer.forward_s * factor,
+                           tensors=tuple(replace(t, ready_s=t.ready_s * backward) for t in layer.tensors))
+                   for layer in profile.layers)
+    return Profile(profile.model, layers, profile.backward_s * backward, profile.step_s * step)

@@ -26,9 +26,9 @@ other W-1 workers; the simulation puts those W-1 copies on one representative se
 machine after ``s``, so that each link carries its share of all the traffic and a part
 alone takes what its server's link needs: exact for 2 ranks. With servers of their own,
 every worker's uplink carries one copy and the server's downlink W. The servers' CPU runs
-on the core of the machine it lives on; with a calibration, the simulated training thread
-stands for every rank's and loads every worker machine's core alike (synchronous training
-runs at the pace of the slowest).
+on the core of the machine it lives on; with a calibration, the simulated rank's threads
+stand for every rank's: on another machine's core they take the share they take on their
+own (a shadow that never slows them), and that machine's server gets the rest.
 
 Systems:
 

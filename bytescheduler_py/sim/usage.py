@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -81,33 +82,46 @@ class Usage:
         return measured
 
 
+def _sampled(operation: Callable[[], None], caller: int) -> tuple:
+    before = thread_cpu_seconds()
+    begin = time.perf_counter()
+    operation()
+    wall = time.perf_counter() - begin
+    after = thread_cpu_seconds()
+    return (wall, sum(after.values()) - sum(before.values()), after.get(caller, 0.0) - before.get(caller, 0.0))
+
+
 def repeat(usage: Usage, operation: Callable[[], None], count: int, sample_cpu: bool = False,
            **extra: float) -> Dict[str, Any]:
     """Run ``operation`` ``count`` times as one phase of ``usage``; besides the phase's totals,
-    each operation's wall time (``walls``) and, with ``sample_cpu`` (for long operations: a
-    sample reads every thread's counter), its process and calling-thread CPU (``cpus``,
-    ``caller_cpus``).
+    each operation's wall time (``walls``) and, with ``sample_cpu``, its process and calling
+    thread CPU (``cpus``, ``caller_cpus``). Reading every thread's counter costs CPU itself:
+    ``sampler_cpu`` is what a sample of doing nothing reads (the median of 50), to take off.
 
     >>> phase = repeat(Usage(), lambda: sum(range(1000)), 3, sample_cpu=True)
-    >>> phase["ops"], len(phase["walls"]), len(phase["cpus"])
-    (3, 3, 3)
+    >>> phase["ops"], len(phase["walls"]), len(phase["cpus"]), phase["sampler_cpu"] >= 0
+    (3, 3, 3, True)
     """
     walls: List[float] = []
     cpus: List[float] = []
     callers: List[float] = []
+    phase_extra: Dict[str, Any] = {}
+    if sample_cpu:
+        phase_extra["sampler_cpu"] = statistics.median(_sampled(lambda: None, usage.caller)[1] for _ in range(50))
     usage.start()
     for _ in range(count):
         if sample_cpu:
-            before = thread_cpu_seconds()
-        begin = time.perf_counter()
-        operation()
-        walls.append(round(time.perf_counter() - begin, 7))
-        if sample_cpu:
-            after = thread_cpu_seconds()
-            cpus.append(sum(after.values()) - sum(before.values()))
-            callers.append(after.get(usage.caller, 0.0) - before.get(usage.caller, 0.0))
+            wall, cpu, caller = _sampled(operation, usage.caller)
+            cpus.append(cpu)
+            callers.append(caller)
+        else:
+            begin = time.perf_counter()
+            operation()
+            wall = time.perf_counter() - begin
+        walls.append(round(wall, 7))
     phase: Dict[str, Any] = usage.stop(ops=count, **extra)
     phase["walls"] = walls
     if sample_cpu:
         phase["cpus"], phase["caller_cpus"] = cpus, callers
+        phase.update(phase_extra)
     return phase

@@ -24,34 +24,15 @@ import json
 import os
 import re
 import statistics
-from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 from .calibration import Calibration
 from .engine import canonical, simulate
 from .network import Network, parse_rate
-from .profile import Profile, measure
+from .profile import Profile, measure, scaled
 
 # The bench's baseline of each scheduled system (its ``baseline`` field says the same).
 _BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
-
-
-def scaled(profile: Profile, factor: float, backward: Optional[float] = None, step: Optional[float] = None) -> Profile:
-    """``profile`` with its forward times multiplied by ``factor``, its backward (and every
-    gradient's moment in it) by ``backward`` and its step by ``step`` (both default:
-    ``factor``): a machine that many times slower in each phase.
-
-    >>> from bytescheduler.sim.profile import Layer, Tensor
-    >>> p = Profile("p", (Layer("a", 0.1, (Tensor(4, 0.2),)),), 0.3, 0.05)
-    >>> round(scaled(p, 2.0).compute_s, 3), round(scaled(p, 1.0, 1.0, 3.0).compute_s, 3)
-    (0.9, 0.55)
-    """
-    backward = factor if backward is None else backward
-    step = factor if step is None else step
-    layers = tuple(replace(layer, forward_s=layer.forward_s * factor,
-                           tensors=tuple(replace(t, ready_s=t.ready_s * backward) for t in layer.tensors))
-                   for layer in profile.layers)
-    return Profile(profile.model, layers, profile.backward_s * backward, profile.step_s * step)
 
 
 def traced_phases(folder: str) -> Optional[Tuple[float, float, float]]:
