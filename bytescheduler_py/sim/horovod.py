@@ -152,7 +152,9 @@ class HorovodThread:
             return allreduce_phases(self.network, self.ranks, nbytes, self.costs, "all-reduce")
         copy = self.calibration.memcpy_seconds(nbytes)
         averaging = self.calibration.memcpy_seconds(1.0)  # CPU-seconds per byte of a pass over the buffer
-        gloo = replace(self.costs, cpu_per_byte=max(0.0, self.costs.cpu_per_byte - averaging))
+        # Horovod's fixed cost is charged per turn (the negotiation); its gloo all-reduces
+        # pay the CPU per operation and per byte, and latency only for steps beyond 2 ranks'.
+        gloo = replace(self.costs, op_seconds=0.0, cpu_per_byte=max(0.0, self.costs.cpu_per_byte - averaging))
         phases: List[Phase] = [cpu("copy in", copy, "copy")] if fused else []
         phases += allreduce_phases(self.network, self.ranks, nbytes, gloo, "all-reduce")
         phases.append(cpu("average", copy, "copy"))
