@@ -47,6 +47,7 @@ ENV_FAST_LANE = "BYTESCHEDULER_FAST_LANE"
 ENV_TUNING = "BYTESCHEDULER_TUNING"
 ENV_CYCLE = "BYTESCHEDULER_CYCLE_TIME"
 ENV_ADAPTIVE = "BYTESCHEDULER_ADAPTIVE"
+ENV_GRAD_VIEWS = "BYTESCHEDULER_GRAD_VIEWS"
 
 
 def parse_size(value: Size, name: str) -> int:
@@ -168,6 +169,12 @@ class SchedulerConfig:
         (:mod:`bytescheduler.core.modes`); the math is the same either way.
         ScheduledOptimizer (torch and Horovod) turns it on by default; it is off with
         ``auto_tune``, which tunes the scheduled path.
+    grad_views: after a bucket of several gradients is averaged in one buffer (the DDP
+        hook's buckets, ScheduledOptimizer's plain path), make each large, contiguous
+        parameter's ``.grad`` a view of its place in that buffer instead of copying the
+        average back, as DDP's ``gradient_as_bucket_view`` does: the same values, one pass
+        over the gradients fewer. A ``.grad`` kept from an earlier iteration then shows
+        later values; keep a ``.clone()`` (:mod:`bytescheduler.pytorch.grad_views`).
     """
 
     partition_bytes: int = 4 * 1024**2
@@ -180,6 +187,7 @@ class SchedulerConfig:
     auto_tune: bool = False
     cycle_ms: float = 0.0
     adaptive: bool = False
+    grad_views: bool = True
 
     @classmethod
     def resolve(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional["SchedulerConfig"] = None,
@@ -233,6 +241,7 @@ _PARSERS = {
     "timeline": lambda value, name: os.fspath(value),
     "cycle_ms": parse_milliseconds,
     "adaptive": parse_bool,
+    "grad_views": parse_bool,
 }
 
 
@@ -247,6 +256,7 @@ _ENVIRONMENT = {
     ENV_TUNING: "auto_tune",
     ENV_CYCLE: "cycle_ms",
     ENV_ADAPTIVE: "adaptive",
+    ENV_GRAD_VIEWS: "grad_views",
 }
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..core.modes import PLAIN, ModeDriver, new_chooser
 from .errors import GradientError, undeclared_sparse
+from .grad_views import hand_over
 from .plain import PlainPath, Reducer, assign_buckets
 from .read_guard import ReadGuard
 from .updates import full_optimizer
@@ -39,12 +40,15 @@ class PlainSetup:
         :data:`~bytescheduler.core.modes.STOP` if any rank vetoes.
     first_bytes, bucket_bytes: bucket sizes (0: one gradient per bucket, for Horovod,
         whose background thread fuses by itself).
+    grad_views: large averages become the parameters' gradients as views of the reducer's
+        buffer instead of being copied back (:mod:`~bytescheduler.pytorch.grad_views`).
     """
 
     reducer: Reducer
     agree: Callable[[int, bool], int]
     first_bytes: int = FIRST_BUCKET_BYTES
     bucket_bytes: int = BUCKET_BYTES
+    grad_views: bool = False
 
 
 class ModeSwitch:
@@ -96,7 +100,8 @@ class ModeSwitch:
         members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
                    for s in reversed(ordered)]
         buckets = assign_buckets(members, self._setup.first_bytes, self._setup.bucket_bytes)
-        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank)
+        assign = (lambda key, view: hand_over(by_key[key].param, view)) if self._setup.grad_views else None
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank, assign)
 
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
@@ -124,6 +129,18 @@ class ModeSwitch:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
         else:
             ReadGuard.attach(engine, install=engine.guard_reads)
+            _own_gradients(self._states.values())
+
+
+def _own_gradients(states: Any) -> None:
+    """Back to the scheduled path: a gradient the plain path left as a view of its buffer
+    (:mod:`~bytescheduler.pytorch.grad_views`; kept by ``zero_grad(set_to_none=False)``)
+    gets memory of its own, since the schedule tells in-place changes of a gradient by its
+    version counter, which views of one buffer share."""
+    for state in states:
+        grad = state.param.grad
+        if grad is not None and grad._base is not None:
+            state.param.grad = grad.clone()
 
 
 def _gradient(state: Any) -> Optional[torch.Tensor]:

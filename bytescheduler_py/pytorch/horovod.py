@@ -233,7 +233,7 @@ class HorovodReducer:
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
         return [hvd.allreduce_async_(grad, name=f"{self._prefix}.{key}", op=hvd.Average) for key, grad in items]
 
-    def wait(self, handles: List[Any]) -> None:
+    def wait(self, handles: List[Any], assign: Any = None) -> None:  # Horovod averages in place
         for handle in handles:
             _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path")
 
