@@ -39,12 +39,14 @@ class PlainSetup:
         :data:`~bytescheduler.core.modes.STOP` if any rank vetoes.
     first_bytes, bucket_bytes: bucket sizes (0: one gradient per bucket, for Horovod,
         whose background thread fuses by itself).
+    start_plain: start on this path (``SchedulerConfig.start_plain``, a plan's advice).
     """
 
     reducer: Reducer
     agree: Callable[[int, bool], int]
     first_bytes: int = FIRST_BUCKET_BYTES
     bucket_bytes: int = BUCKET_BYTES
+    start_plain: bool = False
 
 
 class ModeSwitch:
@@ -60,7 +62,7 @@ class ModeSwitch:
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         leader = rank == 0
-        self.chooser = new_chooser()
+        self.chooser = new_chooser(setup.start_plain)
         self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
         self._setup = setup
         self._states = states
@@ -116,9 +118,13 @@ class ModeSwitch:
         """
         old = self.chooser.mode
         new = self._driver.end_step(engine.synchronize, self.irregular)
-        if new == old:
-            return
-        engine.plain = new == PLAIN
+        if new != old:
+            self.apply(engine)
+
+    def apply(self, engine: Any) -> None:
+        """Put ``engine`` on the chooser's mode: its flag, its hooks and the read guard (which
+        the plain path, where every update is done when ``step()`` returns, does not need)."""
+        engine.plain = self.chooser.mode == PLAIN
         engine.check_accumulation(not engine.plain)  # the plain path checks in gradient()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
