@@ -42,6 +42,7 @@ class PlainSetup:
         whose background thread fuses by itself).
     grad_views: large averages become the parameters' gradients as views of the reducer's
         buffer instead of being copied back (:mod:`~bytescheduler.pytorch.grad_views`).
+    start_plain: start on this path (``SchedulerConfig.start_plain``, a plan's advice).
     """
 
     reducer: Reducer
@@ -49,6 +50,7 @@ class PlainSetup:
     first_bytes: int = FIRST_BUCKET_BYTES
     bucket_bytes: int = BUCKET_BYTES
     grad_views: bool = False
+    start_plain: bool = False
 
 
 class ModeSwitch:
@@ -64,7 +66,7 @@ class ModeSwitch:
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         leader = rank == 0
-        self.chooser = new_chooser()
+        self.chooser = new_chooser(setup.start_plain)
         self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
         self._setup = setup
         self._states = states
@@ -121,9 +123,13 @@ class ModeSwitch:
         """
         old = self.chooser.mode
         new = self._driver.end_step(engine.synchronize, self.irregular)
-        if new == old:
-            return
-        engine.plain = new == PLAIN
+        if new != old:
+            self.apply(engine)
+
+    def apply(self, engine: Any) -> None:
+        """Put ``engine`` on the chooser's mode: its flag, its hooks and the read guard (which
+        the plain path, where every update is done when ``step()`` returns, does not need)."""
+        engine.plain = self.chooser.mode == PLAIN
         engine.check_accumulation(not engine.plain)  # the plain path checks in gradient()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it

@@ -83,9 +83,10 @@ class ScheduledHookState:
         self.closed = False
         if self.scheduler is not None and settings.adaptive and not settings.auto_tune and self.world_size > 1:
             self._lane = self._session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
-            self.driver = ModeDriver(new_chooser(), self._session.groups.rank == 0,
+            self.driver = ModeDriver(new_chooser(settings.start_plain), self._session.groups.rank == 0,
                                      torch_agreement(self._lane, self._session.groups.backend),
                                      rank=self._session.groups.rank)
+            self.plain = self.driver.mode == PLAIN  # a plan may start on DDP's own path
         # Each large gradient becomes a view of the buffer the bucket is averaged in, so DDP's
         # copy back is a no-op: that saves the pass this hook's division costs (DDP's
         # built-in path divides while it copies gradients into the bucket; a comm hook gets

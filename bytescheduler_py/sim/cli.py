@@ -3,9 +3,10 @@
     bytescheduler simulate --model vgg --ranks 2 --bandwidth 1gbit --systems ddp scheduled
     bytescheduler simulate --model vgg --ranks 2 8 64 --bandwidth 10gbit 25gbit --json out.json
 
-The model's profile is measured on this machine first (a few iterations, one thread), or
-read with ``--profile FILE`` (written by ``--save-profile FILE``). Several ranks or rates
-sweep every combination.
+The model's profile is measured on this machine first (a few iterations, one thread), built
+in (``--model vgg16-v100``, ``resnet50-v100``, ``transformer-v100``: :mod:`.paper`), or read
+with ``--profile FILE`` (written by ``--save-profile FILE``). Several ranks or rates sweep
+every combination.
 """
 
 from __future__ import annotations
@@ -14,24 +15,17 @@ import argparse
 import json
 from typing import List, Optional
 
-from ..bench.models import MODELS
 from ..core.config import parse_size
 from .engine import SYSTEMS, default_config, simulate
-from .network import Network, parse_rate
-from .profile import Profile, measure
+from .inputs import add_network_arguments, add_profile_arguments, network_from, profile_from
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bytescheduler simulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="vgg", choices=MODELS, help="bench model to profile (default vgg)")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank, for the profile (default 32)")
-    parser.add_argument("--profile", help="read the profile from this JSON file instead of measuring")
-    parser.add_argument("--save-profile", help="write the measured profile to this JSON file")
+    add_profile_arguments(parser)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--bandwidth", nargs="+", default=["1gbit"], help="each rank's link, e.g. 1gbit 25gbit")
-    parser.add_argument("--latency-us", type=float, default=50.0, help="per message step (default 50)")
-    parser.add_argument("--op-us", type=float, default=0.0, help="fixed cost of one operation (default 0)")
-    parser.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    add_network_arguments(parser)
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--partition", help="partition size for the scheduled systems (default: the adapter's)")
     parser.add_argument("--credit", help="credit size for the scheduled systems (default: the adapter's)")
@@ -42,14 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    if args.profile:
-        with open(args.profile) as handle:
-            profile = Profile.from_json(handle.read())
-    else:
-        profile = measure(args.model, args.batch_size)
-        if args.save_profile:
-            with open(args.save_profile, "w") as handle:
-                handle.write(profile.to_json())
+    profile = profile_from(args)
     options = {}
     if args.partition:
         options["partition_bytes"] = parse_size(args.partition, "--partition")
@@ -63,8 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "|---|---|---|---|---|---|---|"]
     for ranks in args.ranks:
         for rate in args.bandwidth:
-            network = Network(parse_rate(rate), latency=args.latency_us * 1e-6, op_seconds=args.op_us * 1e-6,
-                              algorithm=args.algorithm)
+            network = network_from(args, rate)
             results = {}
             for system in args.systems:
                 config = default_config(system)
