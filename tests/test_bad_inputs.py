@@ -70,10 +70,51 @@ def _settings_cases() -> List[Tuple[str, str, str, str]]:
     for keyword, value in KEYWORDS:
         rows.append(("any adapter", f"`{keyword}={value!r}`",
                      *_outcome(lambda keyword=keyword, value=value: SchedulerConfig.build(**{keyword: value}) and None)))
+    rows += _plan_cases()
     rows.append(("any adapter", "`partition=4096` (a misspelled option)",
                  *_outcome(lambda: SchedulerConfig.build(partition=4096))))
     rows.append(("any adapter", "`config={'partition_bytes': 4096}` (a dict)",
                  *_outcome(lambda: SchedulerConfig.build({"partition_bytes": 4096}))))
+    return rows
+
+
+# (file name, its text): plan files for BYTESCHEDULER_PLAN, written in a folder of their own.
+PLANS = [
+    ("missing.json", None),
+    ("notes.txt", "partition 4MiB, credit 16MiB"),
+    ("profile.json", '{"model": "vgg", "layers": []}'),
+    ("future.json", '{"format": "bytescheduler-plan", "version": 2, "schedule": true}'),
+    ("no-credit.json", '{"format": "bytescheduler-plan", "version": 1, "schedule": true, "partition_bytes": 1024}'),
+    ("bad-size.json", '{"format": "bytescheduler-plan", "version": 1, "schedule": true, "partition_bytes": "lots", '
+                      '"credit_bytes": 1024}'),
+    ("plain.json", '{"format": "bytescheduler-plan", "version": 1, "schedule": false, "partition_bytes": 1048576, '
+                   '"credit_bytes": 4194304}'),
+]
+
+
+def _plan_cases() -> List[Tuple[str, str, str, str]]:
+    """Plan files, good and bad, by relative name (so that messages do not depend on a temporary path)."""
+    import tempfile
+
+    from bytescheduler.core.config import SchedulerConfig
+
+    def resolve(name):
+        config = SchedulerConfig.resolve(environ={"BYTESCHEDULER_PLAN": name})
+        return (f"partition_bytes={config.partition_bytes}, credit_bytes={config.credit_bytes}, "
+                f"start_plain={config.start_plain}")
+
+    rows = []
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as folder:
+        os.chdir(folder)
+        try:
+            for name, text in PLANS:
+                if text is not None:
+                    Path(name).write_text(text, encoding="utf-8")
+                rows.append(("any adapter", f"`BYTESCHEDULER_PLAN={name}`", *_outcome(lambda name=name: resolve(name))))
+        finally:
+            os.chdir(here)
+    rows.append(("any adapter", "`plan=42`", *_outcome(lambda: SchedulerConfig.build(plan=42))))
     return rows
 
 
@@ -205,6 +246,8 @@ def test_accepted_inputs_are_the_documented_ones(rows):
         "`BYTESCHEDULER_TIMEOUT=1e12`": "timeout=1e+09 s",  # longer counts as 10^9 s
         "`BYTESCHEDULER_CYCLE_TIME=1e9`": "",  # held until the burst ends, as documented
         "`BYTESCHEDULER_DEBUG=`": "log_level=None",  # empty: logging off
+        # A plan that says "don't schedule": its sizes, and the mode switch starts on the plain path.
+        "`BYTESCHEDULER_PLAN=plain.json`": "partition_bytes=1048576, credit_bytes=4194304, start_plain=True",
         "`step()` without a backward": "",  # nothing to communicate: nothing changes
         "`close()` twice": "",  # idempotent, for both adapters
     }, accepted

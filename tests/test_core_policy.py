@@ -298,7 +298,7 @@ def test_frames_carry_any_message():
         read_frame([500, 0, 1, 2], [])
 
 
-@pytest.mark.parametrize("module", ["policy", "follower", "ledger", "ordering", "errors", "config", "partition",
+@pytest.mark.parametrize("module", ["policy", "follower", "ledger", "ordering", "errors", "config", "plan", "partition",
                                     "credit", "scheduler", "tcp_channel", "timeline"])
 def test_core_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"bytescheduler.core.{module}"), optionflags=doctest.ELLIPSIS)

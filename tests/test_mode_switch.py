@@ -130,7 +130,7 @@ class _Reducer:
         self.log.append(("start", [key for key, _ in items]))
         return [key for key, _ in items]
 
-    def wait(self, keys):
+    def wait(self, keys, assign=None):
         self.log.append(("wait", keys))
 
 

@@ -34,6 +34,27 @@ def bar_chart(summary: dict, path: str) -> None:
     plt.close(figure)
 
 
+def speedup_chart(by_rate: Dict[str, List[Tuple[int, float]]], by_ranks: Dict[int, List[Tuple[float, float]]],
+                  title: str, path: str) -> None:
+    """Predicted speedup (``bytescheduler sweep``) against ranks, a line per link rate, and
+    against the link rate (Gbit/s), a line per number of ranks; both axes logarithmic."""
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for axes, lines, label, legend in ((left, by_rate, "ranks (one link each)", "link rate"),
+                                       (right, by_ranks, "link rate per rank (Gbit/s)", "ranks")):
+        for name, points in lines.items():
+            points = sorted(points)
+            axes.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=str(name))
+        axes.axhline(1.0, color="#777777", linestyle="--", linewidth=0.8)
+        axes.set_xscale("log", base=2 if axes is left else 10)
+        axes.set_xlabel(label)
+        axes.legend(title=legend, fontsize=7, title_fontsize=8)
+    left.set_ylabel("predicted speedup")
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
 def _iteration_window(compute: List[dict], period_us: Optional[float] = None) -> Tuple[float, float]:
     """The last two traced iterations on rank 0: from the start of the last but one to about the end.
 

@@ -11,8 +11,9 @@ framework's collective), and then:
 - settings that shape what the ranks do together (:data:`FROM_RANK_0`) are taken from
   rank 0; a rank whose own value differed logs a warning naming the setting, its
   environment variable and both values;
-- settings that are each rank's own business (:data:`PER_RANK`: the timeline path and the
-  log level) stay as they are;
+- settings that are each rank's own business (:data:`PER_RANK`: the timeline path, the
+  log level, the plan file read, whether averaged gradients become views of their buffer)
+  stay as they are;
 - a model whose parameters differ (names, shapes, dtypes, sparse or dense) is refused on
   every rank with :class:`LayoutMismatch`, naming the first differing parameter and the
   ranks: a local cause, reported as itself, never as a timeout.
@@ -41,8 +42,9 @@ Layout = Optional[Sequence[ParamInfo]]
 Report = Tuple[Optional[SchedulerConfig], Optional[List[ParamInfo]], Optional[str]]
 
 FROM_RANK_0 = ("partition_bytes", "credit_bytes", "merge", "fast_lane_bytes", "timeout", "auto_tune", "cycle_ms",
-               "adaptive")
-PER_RANK = ("timeline", "log_level")
+               "adaptive", "start_plain")
+# A plan file is read where it is given; what it set (partition, credit, start_plain) is agreed.
+PER_RANK = ("timeline", "log_level", "plan", "grad_views")
 
 
 class LayoutMismatch(ByteSchedulerError, ValueError):

@@ -47,6 +47,8 @@ ENV_FAST_LANE = "BYTESCHEDULER_FAST_LANE"
 ENV_TUNING = "BYTESCHEDULER_TUNING"
 ENV_CYCLE = "BYTESCHEDULER_CYCLE_TIME"
 ENV_ADAPTIVE = "BYTESCHEDULER_ADAPTIVE"
+ENV_GRAD_VIEWS = "BYTESCHEDULER_GRAD_VIEWS"
+ENV_PLAN = "BYTESCHEDULER_PLAN"
 
 
 def parse_size(value: Size, name: str) -> int:
@@ -66,6 +68,20 @@ def parse_size(value: Size, name: str) -> int:
     if number <= 0:
         raise ValueError(f"{name}={value!r} must be positive: use {SIZE_FORMS}")
     return number
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` as :func:`parse_size` reads it back, in the largest binary unit that divides it.
+
+    >>> format_size(4 * 1024**2), format_size(1536), format_size(1000)
+    ('4MiB', '1536B', '1000B')
+    >>> format_size(256 * 1024)
+    '256KiB'
+    """
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{nbytes // size}{unit}"
+    return f"{nbytes}B"
 
 
 def parse_nonnegative_size(value: Size, name: str) -> int:
@@ -168,6 +184,19 @@ class SchedulerConfig:
         (:mod:`bytescheduler.core.modes`); the math is the same either way.
         ScheduledOptimizer (torch and Horovod) turns it on by default; it is off with
         ``auto_tune``, which tunes the scheduled path.
+    grad_views: after a bucket of several gradients is averaged in one buffer (the DDP
+        hook's buckets, ScheduledOptimizer's plain path), make each large, contiguous
+        parameter's ``.grad`` a view of its place in that buffer instead of copying the
+        average back, as DDP's ``gradient_as_bucket_view`` does: the same values, one pass
+        over the gradients fewer. A ``.grad`` kept from an earlier iteration then shows
+        later values; keep a ``.clone()`` (:mod:`bytescheduler.pytorch.grad_views`).
+    start_plain: with ``adaptive``, start on the framework's own path and hold it as if the
+        mode switch had chosen it (the scheduled path is tried after the hold), instead of
+        timing both paths first; what a plan that predicts no gain sets.
+    plan: path of a plan written by ``bytescheduler plan`` (:mod:`bytescheduler.core.plan`).
+        Its partition, credit and choice to schedule or not (``start_plain``) take the place
+        of the adapter's defaults: settings given explicitly (keywords, the environment)
+        still win, and ``auto_tune`` starts its search from the plan's setting.
     """
 
     partition_bytes: int = 4 * 1024**2
@@ -180,16 +209,24 @@ class SchedulerConfig:
     auto_tune: bool = False
     cycle_ms: float = 0.0
     adaptive: bool = False
+    grad_views: bool = True
+    start_plain: bool = False
+    plan: Optional[str] = None
 
     @classmethod
     def resolve(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional["SchedulerConfig"] = None,
                 **overrides: Any) -> "SchedulerConfig":
-        """Build a config from ``defaults`` (default: the class defaults), then ``environ``
-        (default ``os.environ``), then keywords.
+        """Build a config from ``defaults`` (default: the class defaults), then a plan (the
+        ``plan`` keyword, else ``BYTESCHEDULER_PLAN``), then ``environ`` (default
+        ``os.environ``), then keywords.
 
         Keywords whose value is None are ignored, so adapters can pass their arguments through.
         """
         env = os.environ if environ is None else environ
+        base = defaults if defaults is not None else cls()
+        plan = overrides.get("plan") if overrides.get("plan") is not None else env.get(ENV_PLAN) or None
+        if plan is not None:
+            base = base.with_plan(plan)
         values = {
             field: _PARSERS[field](env[name], name)
             for name, field in _ENVIRONMENT.items()
@@ -197,7 +234,7 @@ class SchedulerConfig:
             if env.get(name) or (name == ENV_DEBUG and name in env)
         }
         values.update(_parse_options(overrides))
-        return replace(defaults if defaults is not None else cls(), **values)
+        return replace(base, **values)
 
     @classmethod
     def build(cls, config: Optional["SchedulerConfig"] = None, defaults: Optional["SchedulerConfig"] = None,
@@ -218,8 +255,29 @@ class SchedulerConfig:
         return config.with_options(**options)
 
     def with_options(self, **overrides: Any) -> "SchedulerConfig":
-        """A copy with the given keywords (None ones ignored) parsed and applied; no environment."""
-        return replace(self, **_parse_options(overrides))
+        """A copy with the given keywords (None ones ignored) parsed and applied; no environment.
+        A ``plan`` is applied first, so the other keywords override it."""
+        base = self if overrides.get("plan") is None else self.with_plan(overrides["plan"])
+        return replace(base, **_parse_options(overrides))
+
+    def with_plan(self, path: Any) -> "SchedulerConfig":
+        """A copy with the settings of the plan in file ``path``: its partition and credit,
+        and ``start_plain`` when it says not to schedule.
+
+        >>> import json, tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        ...     json.dump({"format": "bytescheduler-plan", "version": 1, "schedule": False,
+        ...                "partition_bytes": 1024, "credit_bytes": 4096}, f)
+        >>> config = SchedulerConfig().with_plan(f.name)
+        >>> config.partition_bytes, config.credit_bytes, config.start_plain
+        (1024, 4096, True)
+        >>> os.remove(f.name)
+        """
+        from .plan import read_plan  # plan.py parses its fields with this module's parsers
+
+        plan = read_plan(path)
+        return replace(self, plan=os.fspath(path), partition_bytes=plan.partition_bytes,
+                       credit_bytes=plan.credit_bytes, start_plain=not plan.schedule)
 
 
 _PARSERS = {
@@ -233,6 +291,9 @@ _PARSERS = {
     "timeline": lambda value, name: os.fspath(value),
     "cycle_ms": parse_milliseconds,
     "adaptive": parse_bool,
+    "grad_views": parse_bool,
+    "start_plain": parse_bool,
+    "plan": lambda value, name: os.fspath(value),
 }
 
 
@@ -247,6 +308,8 @@ _ENVIRONMENT = {
     ENV_TUNING: "auto_tune",
     ENV_CYCLE: "cycle_ms",
     ENV_ADAPTIVE: "adaptive",
+    ENV_GRAD_VIEWS: "grad_views",
+    ENV_PLAN: "plan",
 }
 
 

@@ -89,6 +89,9 @@ class ModeChooser:
             (two and a half standard errors of the medians): ties, and differences the
             samples cannot tell apart, go to the cheaper, plain path.
         clear: a difference this large decides after one trial pair.
+        start: :data:`SCHEDULED` (times both paths first) or :data:`PLAIN`: start with a hold
+            of the plain path, as if it had been chosen (a plan's advice, ``start_plain``);
+            it counts as the first choice.
 
     Times are seconds per step, recorded on rank 0 only (other ranks never call
     :meth:`record` or :meth:`propose`).
@@ -96,7 +99,7 @@ class ModeChooser:
 
     def __init__(self, warmup: int = 3, settle: int = 1, trial: int = 4, pairs: int = 3, hold: int = 200,
                  max_hold: int = 3200, margin: float = 0.01, clear: float = 0.10, trial_seconds: float = 0.5,
-                 max_trial: int = 64, clear_hold: int = 4) -> None:
+                 max_trial: int = 64, clear_hold: int = 4, start: str = SCHEDULED) -> None:
         if min(warmup, trial, pairs, hold) < 1 or settle < 0 or max_trial < trial or trial_seconds < 0:
             raise ValueError("warmup, trial, pairs and hold must be at least 1, settle and trial_seconds at "
                              "least 0, and max_trial at least trial")
@@ -117,6 +120,12 @@ class ModeChooser:
         self._pairs_run = 0
         self._hold = hold
         self._held: List[float] = []  # the hold's last timed steps (the re-trial's reference)
+        if start not in MODES:
+            raise ValueError(f"start must be {SCHEDULED!r} or {PLAIN!r}, not {start!r}")
+        if start == PLAIN:
+            self.choices = 1
+            self.mode = PLAIN  # from the first step on: nothing to settle
+            self._start(_HOLD, PLAIN, hold)
 
     @property
     def history(self) -> List[str]:
@@ -224,9 +233,14 @@ class ModeChooser:
         return SCHEDULED if scheduled < plain * (1.0 - margin) else PLAIN
 
 
-def new_chooser() -> ModeChooser:
-    """The chooser an adapter's mode switch starts with (:data:`CHOOSER_OPTIONS`)."""
-    return ModeChooser(**CHOOSER_OPTIONS)
+def new_chooser(start_plain: bool = False) -> ModeChooser:
+    """The chooser an adapter's mode switch starts with (:data:`CHOOSER_OPTIONS`); with
+    ``start_plain`` (a plan's advice) it starts on the plain path.
+
+    >>> new_chooser(start_plain=True).mode
+    'plain'
+    """
+    return ModeChooser(**dict(CHOOSER_OPTIONS, start=PLAIN if start_plain else SCHEDULED))
 
 
 def _median(values: List[float]) -> Optional[float]:

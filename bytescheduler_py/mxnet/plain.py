@@ -153,10 +153,11 @@ class StoreModes:
 
     def configure(self, settings: SchedulerConfig) -> None:
         if settings.adaptive and not settings.auto_tune and self._num_workers > 1:
-            self.driver = ModeDriver(new_chooser(), self._rank == 0,
+            self.driver = ModeDriver(new_chooser(settings.start_plain), self._rank == 0,
                                      StoreAgreement(self._inner, self._rank, self._layout), rank=self._rank)
         else:
             self.driver = None
+        self.plain = self.driver is not None and self.driver.mode == PLAIN  # a plan may start plain
 
     def begin_step(self, pushed: Sequence[KeyInfo]) -> bool:
         """At a push of ``pushed``: when it begins a training step, let the switch see the last

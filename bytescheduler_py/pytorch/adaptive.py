@@ -21,6 +21,7 @@ import torch
 
 from ..core.modes import PLAIN, ModeDriver, new_chooser
 from .errors import GradientError, undeclared_sparse
+from .grad_views import hand_over
 from .plain import PlainPath, Reducer, assign_buckets
 from .read_guard import ReadGuard
 from .updates import full_optimizer
@@ -39,12 +40,17 @@ class PlainSetup:
         :data:`~bytescheduler.core.modes.STOP` if any rank vetoes.
     first_bytes, bucket_bytes: bucket sizes (0: one gradient per bucket, for Horovod,
         whose background thread fuses by itself).
+    grad_views: large averages become the parameters' gradients as views of the reducer's
+        buffer instead of being copied back (:mod:`~bytescheduler.pytorch.grad_views`).
+    start_plain: start on this path (``SchedulerConfig.start_plain``, a plan's advice).
     """
 
     reducer: Reducer
     agree: Callable[[int, bool], int]
     first_bytes: int = FIRST_BUCKET_BYTES
     bucket_bytes: int = BUCKET_BYTES
+    grad_views: bool = False
+    start_plain: bool = False
 
 
 class ModeSwitch:
@@ -60,7 +66,7 @@ class ModeSwitch:
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         leader = rank == 0
-        self.chooser = new_chooser()
+        self.chooser = new_chooser(setup.start_plain)
         self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
         self._setup = setup
         self._states = states
@@ -96,7 +102,8 @@ class ModeSwitch:
         members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
                    for s in reversed(ordered)]
         buckets = assign_buckets(members, self._setup.first_bytes, self._setup.bucket_bytes)
-        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank)
+        assign = (lambda key, view: hand_over(by_key[key].param, view)) if self._setup.grad_views else None
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank, assign)
 
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
@@ -116,14 +123,30 @@ class ModeSwitch:
         """
         old = self.chooser.mode
         new = self._driver.end_step(engine.synchronize, self.irregular)
-        if new == old:
-            return
-        engine.plain = new == PLAIN
+        if new != old:
+            self.apply(engine)
+
+    def apply(self, engine: Any) -> None:
+        """Put ``engine`` on the chooser's mode: its flag, its hooks and the read guard (which
+        the plain path, where every update is done when ``step()`` returns, does not need)."""
+        engine.plain = self.chooser.mode == PLAIN
         engine.check_accumulation(not engine.plain)  # the plain path checks in gradient()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
         else:
             ReadGuard.attach(engine, install=engine.guard_reads)
+            _own_gradients(self._states.values())
+
+
+def _own_gradients(states: Any) -> None:
+    """Back to the scheduled path: a gradient the plain path left as a view of its buffer
+    (:mod:`~bytescheduler.pytorch.grad_views`; kept by ``zero_grad(set_to_none=False)``)
+    gets memory of its own, since the schedule tells in-place changes of a gradient by its
+    version counter, which views of one buffer share."""
+    for state in states:
+        grad = state.param.grad
+        if grad is not None and grad._base is not None:
+            state.param.grad = grad.clone()
 
 
 def _gradient(state: Any) -> Optional[torch.Tensor]:

@@ -26,6 +26,7 @@ from ..core import Scheduler, SchedulerConfig, Task
 from ..core.errors import SchedulerClosed, as_library_error
 from ..core.timeline import check_writable
 from ..core.modes import PLAIN, ModeDriver, new_chooser
+from .grad_views import BucketViews
 from .plain import torch_agreement
 from .layout import param_layout
 from .session import TorchSession, agree_settings
@@ -82,9 +83,15 @@ class ScheduledHookState:
         self.closed = False
         if self.scheduler is not None and settings.adaptive and not settings.auto_tune and self.world_size > 1:
             self._lane = self._session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
-            self.driver = ModeDriver(new_chooser(), self._session.groups.rank == 0,
+            self.driver = ModeDriver(new_chooser(settings.start_plain), self._session.groups.rank == 0,
                                      torch_agreement(self._lane, self._session.groups.backend),
                                      rank=self._session.groups.rank)
+            self.plain = self.driver.mode == PLAIN  # a plan may start on DDP's own path
+        # Each large gradient becomes a view of the buffer the bucket is averaged in, so DDP's
+        # copy back is a no-op: that saves the pass this hook's division costs (DDP's
+        # built-in path divides while it copies gradients into the bucket; a comm hook gets
+        # the bucket undivided).
+        self.views = BucketViews() if settings.grad_views else None
         self._positions: Optional[Dict[int, int]] = None
         if model is not None:
             self._positions = {id(p): i for i, p in enumerate(model.parameters())}
@@ -139,7 +146,10 @@ def scheduled_allreduce_hook(
     if bucket.index() == 0:  # the first bucket of an iteration: a step begins
         state.begin_iteration()
     buffer = bucket.buffer()
-    buffer.div_(state.world_size)
+    if state.views is not None and not buffer.is_sparse:
+        buffer = state.views.divide(bucket, state.world_size)
+    else:
+        buffer.div_(state.world_size)
     if buffer.is_sparse or state.plain:  # what DDP's default hook does
         # A sparse bucket (nn.Embedding(sparse=True)) cannot be cut into pieces: it goes on a
         # gloo group of its own, in DDP's bucket order, the same on every rank.

@@ -233,21 +233,21 @@ class HorovodReducer:
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
         return [hvd.allreduce_async_(grad, name=f"{self._prefix}.{key}", op=hvd.Average) for key, grad in items]
 
-    def wait(self, handles: List[Any]) -> None:
+    def wait(self, handles: List[Any], assign: Any = None) -> None:  # Horovod averages in place
         for handle in handles:
             _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path")
 
 
-def _plain_setup(prefix: str, timeout: float) -> PlainSetup:
+def _plain_setup(prefix: str, timeout: float, start_plain: bool) -> PlainSetup:
     """The mode switch over Horovod: its own path, and one all-gather of [proposal, veto] to
-    agree (waited for with a deadline, as every operation of ours)."""
+    agree (waited for with a deadline, as every operation of ours); ``start_plain``: start on it."""
 
     def agree(proposal: int, veto: bool) -> int:
         handle = hvd.allgather_async(torch.tensor([[proposal, int(veto)]], dtype=torch.int64), name=f"{prefix}.mode")
         votes = _wait_for(handle, None, timeout, "the mode switch's agreement")
         return STOP if int(votes[:, 1].max()) else int(votes[0, 0])
 
-    return PlainSetup(HorovodReducer(prefix, timeout), agree, first_bytes=0, bucket_bytes=0)
+    return PlainSetup(HorovodReducer(prefix, timeout), agree, first_bytes=0, bucket_bytes=0, start_plain=start_plain)
 
 
 def _order_channel(prefix: str, timeout: float) -> Any:
@@ -360,7 +360,7 @@ def ScheduledOptimizer(
     scheduler = Scheduler(backend, channel=channel, rank=hvd.rank(), config=config)
     plain = None
     if config.adaptive and not config.auto_tune and hvd.size() > 1:
-        plain = _plain_setup(f"{backend.name}.plain", config.timeout)
+        plain = _plain_setup(f"{backend.name}.plain", config.timeout, config.start_plain)
 
     def close() -> None:
         try:

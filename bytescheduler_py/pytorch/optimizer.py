@@ -168,7 +168,8 @@ def ScheduledOptimizer(
     plain = None
     if agreed.adaptive and not agreed.auto_tune and session.world_size > 1:
         lane = session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
-        plain = PlainSetup(FlatReducer(lane, session.world_size), torch_agreement(lane, session.groups.backend))
+        plain = PlainSetup(FlatReducer(lane, session.world_size), torch_agreement(lane, session.groups.backend),
+                           grad_views=agreed.grad_views, start_plain=agreed.start_plain)
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(

@@ -31,6 +31,7 @@ import torch
 from ..core import Scheduler, Task
 from ..core.errors import CommunicationTimeout, ErrorLatch, SchedulerClosed
 from ..core.log import logger
+from ..core.modes import PLAIN
 from .adaptive import ModeSwitch, PlainSetup
 from .compute_timeline import ComputeTimeline
 from .errors import AGAIN, GradientError, check_arguments, undeclared_sparse
@@ -117,6 +118,8 @@ class OverlapEngine:
         raise_malloc_thresholds()
         self._updates = Updater(self)
         ReadGuard.attach(self, install=guard_reads)
+        if self._switch is not None and self._switch.chooser.mode == PLAIN:
+            self._switch.apply(self)  # a plan chose the framework's own path: start on it
 
     # ------------------------------------------------------------------ registration
 

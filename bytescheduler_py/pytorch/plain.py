@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import torch
 
 from ..core.errors import as_library_error
+from .grad_views import MIN_VIEW_BYTES, split_views
 
 
 class Reducer(Protocol):
@@ -28,8 +29,12 @@ class Reducer(Protocol):
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
         """Begin averaging the ``(key, gradient)`` pairs of one bucket; return a handle."""
 
-    def wait(self, handle: Any) -> None:
-        """Wait for a bucket begun by :meth:`start`; its gradients then hold the average."""
+    def wait(self, handle: Any, assign: Optional[Callable[[int, torch.Tensor], bool]] = None) -> None:
+        """Wait for a bucket begun by :meth:`start`; its gradients then hold the average.
+
+        ``assign(key, view)``, when given, may be called instead of copying an average back:
+        ``view`` holds it, and the caller makes it that key's gradient (True) or declines
+        (False: then it is copied back)."""
 
 
 class _Bucket:
@@ -75,17 +80,21 @@ class PlainPath:
             contiguous), or None when the parameter has no gradient; the reducer scales.
         rank: this process's rank, in the :class:`~bytescheduler.core.errors.CommunicationError`
             that a failed collective becomes.
+        assign: ``assign(key, view)`` makes ``view`` (the average, in the reducer's buffer)
+            that key's gradient, or returns False; None: the reducer copies every average back.
 
     Not thread-safe: the training thread (backward's hooks, ``step``) is its only caller.
     """
 
     def __init__(self, buckets: List[List[int]], reducer: Reducer,
-                 prepare: Callable[[int], Optional[torch.Tensor]], rank: int = 0) -> None:
+                 prepare: Callable[[int], Optional[torch.Tensor]], rank: int = 0,
+                 assign: Optional[Callable[[int, torch.Tensor], bool]] = None) -> None:
         self._buckets = [_Bucket(i, keys) for i, keys in enumerate(buckets)]
         self._bucket_of = {key: bucket for bucket in self._buckets for key in bucket.keys}
         self._reducer = reducer
         self._prepare = prepare
         self._rank = rank
+        self._assign = assign
         self._next = 0  # the next bucket to launch
         self._prepared: Dict[int, torch.Tensor] = {}
         self.finished = False  # every bucket averaged during backward (as DDP's end of backward)
@@ -151,7 +160,7 @@ class PlainPath:
             if bucket.handle is not None:
                 handle, bucket.handle = bucket.handle, None
                 try:
-                    self._reducer.wait(handle)
+                    self._reducer.wait(handle, self._assign)
                 except Exception as error:  # noqa: BLE001 - as in _launch
                     raise as_library_error(error, self._rank) from error
 
@@ -159,9 +168,12 @@ class PlainPath:
 class FlatReducer:
     """:class:`Reducer` for torch.distributed: each bucket's gradients divided by the world
     size and all-reduced (summed) on ``group``, a bucket of several copied into one flat
-    buffer and back, as DDP does without ``gradient_as_bucket_view``. One kernel per bucket
-    for the division and one call for the copy back, not one per gradient: on a small model
-    the launches, not the bytes, are the cost."""
+    buffer, as DDP does without ``gradient_as_bucket_view``. One kernel per bucket for the
+    division and one call for each copy, not one per gradient: on a small model the
+    launches, not the bytes, are the cost. The averages of large gradients are handed over
+    as views of the buffer (``assign``, :mod:`~bytescheduler.pytorch.grad_views`) rather
+    than copied back; a gradient that is such a view already (the next backward
+    accumulated into it) is not copied in either."""
 
     def __init__(self, group: Any, world_size: int) -> None:
         import torch.distributed as dist
@@ -169,29 +181,53 @@ class FlatReducer:
         self._dist = dist
         self._group = group
         self._world_size = world_size
-        self._buffers: Dict[Tuple[int, ...], torch.Tensor] = {}  # kept, as DDP keeps its buckets
+        # keys -> (flat buffer, its views shaped as the gradients): kept, as DDP keeps its buckets
+        self._buffers: Dict[Tuple[int, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
 
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
+        keys = tuple(key for key, _ in items)
         grads = [grad for _, grad in items]
+        views: Optional[List[torch.Tensor]] = None
         if len(grads) == 1:
             flat = grads[0].view(-1)
         else:
-            keys = tuple(key for key, _ in items)
-            numel = sum(grad.numel() for grad in grads)
-            flat = self._buffers.get(keys)
-            if flat is None or flat.numel() != numel or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-                flat = self._buffers[keys] = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
-            torch.cat([grad.view(-1) for grad in grads], out=flat)
+            flat, views = self._buffer(keys, grads)
+            loose = [index for index, (grad, view) in enumerate(zip(grads, views)) if grad is not view]
+            if len(loose) == len(grads):
+                torch.cat([grad.view(-1) for grad in grads], out=flat)
+            elif loose:  # cat cannot write a buffer that some of its inputs live in
+                torch._foreach_copy_([views[i] for i in loose], [grads[i] for i in loose])
         flat.div_(self._world_size)
         work = self._dist.all_reduce(flat, group=self._group, async_op=True)
-        return work, flat, grads
+        return work, keys, grads, views
 
-    def wait(self, handle: Any) -> None:
-        work, flat, grads = handle
+    def _buffer(self, keys: Tuple[int, ...], grads: List[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        known = self._buffers.get(keys)
+        first = grads[0]
+        if known is not None:
+            flat, views = known
+            if (flat.dtype == first.dtype and flat.device == first.device
+                    and all(view.shape == grad.shape for view, grad in zip(views, grads))):
+                return known
+        flat = torch.empty(sum(grad.numel() for grad in grads), dtype=first.dtype, device=first.device)
+        known = self._buffers[keys] = (flat, split_views(flat, grads))
+        return known
+
+    def wait(self, handle: Any, assign: Optional[Callable[[int, torch.Tensor], bool]] = None) -> None:
+        work, keys, grads, views = handle
         work.wait()
-        if len(grads) > 1:
-            pieces = torch.split(flat, [grad.numel() for grad in grads])
-            torch._foreach_copy_(grads, [piece.view_as(grad) for piece, grad in zip(pieces, grads)])
+        if views is None:
+            return
+        back_to, back_from = [], []
+        for key, grad, view in zip(keys, grads, views):
+            if grad is view:
+                continue
+            if not (assign is not None and view.numel() * view.element_size() >= MIN_VIEW_BYTES
+                    and assign(key, view)):
+                back_to.append(grad)
+                back_from.append(view)
+        if back_to:
+            torch._foreach_copy_(back_to, back_from)
 
 
 def torch_agreement(group: Any, backend: str) -> Callable[[int, bool], int]:

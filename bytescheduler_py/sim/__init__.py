@@ -18,7 +18,12 @@
   :mod:`~bytescheduler.sim.usage`): ``bytescheduler calibrate``, what each backend costs here.
 * :mod:`~bytescheduler.sim.gantt`: the simulated iterations as the bench's timeline picture.
 * :mod:`~bytescheduler.sim.validate`: predictions beside ``bytescheduler bench``'s measurements.
+* :mod:`~bytescheduler.sim.paper`: the ByteScheduler paper's models on a V100, built in.
+* :mod:`~bytescheduler.sim.inputs`: the profile and network options every command takes.
 * :mod:`~bytescheduler.sim.cli`: ``bytescheduler simulate``.
+* :mod:`~bytescheduler.sim.planner`: ``bytescheduler plan`` (the runtime reads its plans:
+  :mod:`bytescheduler.core.plan`).
+* :mod:`~bytescheduler.sim.sweep`: ``bytescheduler sweep``, with a plot.
 
 Imports no framework except where a profile is measured (torch) or a backend probed.
 """

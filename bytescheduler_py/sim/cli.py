@@ -5,7 +5,8 @@
     bytescheduler simulate --trace bench-results/traces/scheduled.rank0.json --calibration calibration.json
     bytescheduler simulate --model vgg --bandwidth 1gbit --systems hvd hvd-scheduled --gantt vgg.png
 
-The model's profile is measured on this machine first (a few iterations, one thread), read
+The model's profile is measured on this machine first (a few iterations, one thread), built
+in (``--model vgg16-v100``, ``resnet50-v100``, ``transformer-v100``: :mod:`.paper`), read
 with ``--profile FILE`` (written by ``--save-profile FILE``), or taken from a recorded run's
 Chrome trace (``--trace``). Several ranks or rates sweep every combination. With
 ``--calibration`` (``bytescheduler calibrate``) communication costs CPU on each rank's core.
@@ -18,12 +19,10 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from ..bench.models import MODELS
 from ..core.config import parse_size
 from .calibration import Calibration
 from .engine import SYSTEM_NAMES, SYSTEMS, Result, canonical, default_config, simulate
-from .network import Network, parse_rate
-from .profile import Profile, measure, scaled
+from .inputs import add_network_arguments, add_profile_arguments, network_from, profile_from
 
 # What each scheduled system's speedup is against: its framework's own system.
 BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "ps-scheduled": "ps"}
@@ -31,27 +30,11 @@ BASELINES = {"ddp-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "ps-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bytescheduler simulate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="vgg", choices=MODELS, help="bench model to profile (default vgg)")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank, for the profile (default 32)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--profile", help="read the profile from this JSON file instead of measuring")
-    source.add_argument("--trace", nargs="+", metavar="FILE",
-                        help="build the profile from a recorded run's Chrome trace (a rank's timeline, "
-                             "e.g. bench traces/scheduled.rank0.json; a bench compute.json may be added)")
-    parser.add_argument("--save-profile", help="write the profile to this JSON file")
-    parser.add_argument("--compute-s", type=float, metavar="SECONDS",
-                        help="scale the profile so that its compute-only iteration takes SECONDS (another "
-                             "machine's speed, e.g. a bench run's compute row)")
+    add_profile_arguments(parser)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
     parser.add_argument("--bandwidth", nargs="+", default=["1gbit"],
                         help="each rank's link, e.g. 1gbit 25gbit, or none (loopback: no link limit)")
-    parser.add_argument("--latency-us", type=float, default=50.0, help="per message step (default 50)")
-    parser.add_argument("--op-us", type=float, default=0.0,
-                        help="fixed cost of one operation without a calibration (default 0)")
-    parser.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
-    parser.add_argument("--servers", type=int, default=0,
-                        help="parameter servers for the ps systems: 0 (default) one on each rank's machine, "
-                             "N: that many on machines of their own")
+    add_network_arguments(parser)
     parser.add_argument("--systems", nargs="+", choices=SYSTEM_NAMES, default=list(SYSTEMS),
                         help="default: all (the bench's names mxnet, mxnet-scheduled are ps, ps-scheduled)")
     parser.add_argument("--partition", help="partition size for the scheduled systems (default: the adapter's)")
@@ -63,26 +46,6 @@ def _parser() -> argparse.ArgumentParser:
                         help="draw the simulated iterations of each system (first ranks and rate) to PNG "
                              "(FILE, or FILE with -<system> before its suffix for several systems)")
     return parser
-
-
-def _profile(args: argparse.Namespace) -> Profile:
-    if args.profile:
-        with open(args.profile) as handle:
-            profile = Profile.from_json(handle.read())
-    elif args.trace:
-        from .trace import profile_from_trace
-
-        profile = profile_from_trace(args.trace, model=os.path.basename(args.trace[0]))
-    else:
-        profile = measure(args.model, args.batch_size)
-    if args.compute_s:
-        if not args.compute_s > 0:
-            raise ValueError(f"--compute-s must be positive, not {args.compute_s}")
-        profile = scaled(profile, args.compute_s / profile.compute_s)
-    if args.save_profile:
-        with open(args.save_profile, "w") as handle:
-            handle.write(profile.to_json())
-    return profile
 
 
 def gantt_path(path: str, system: str, several: bool) -> str:
@@ -109,8 +72,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         calibration = Calibration.load(args.calibration) if args.calibration else None
-        profile = _profile(args)
-        rates = [(rate, parse_rate(rate)) for rate in args.bandwidth]
+        profile = profile_from(args)
+        networks = [(rate, network_from(args, rate)) for rate in args.bandwidth]
     except ValueError as error:
         parser.error(str(error))
     options = {}
@@ -129,9 +92,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "|---|---|---|---|---|---|---|---|---|---|"]
     drawn = False
     for ranks in args.ranks:
-        for rate, bandwidth in rates:
-            network = Network(bandwidth, latency=args.latency_us * 1e-6, op_seconds=args.op_us * 1e-6,
-                              algorithm=args.algorithm, servers=args.servers)
+        for rate, network in networks:
             results: Dict[str, Result] = {}
             for system in args.systems:
                 config = default_config(system)

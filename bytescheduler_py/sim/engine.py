@@ -35,6 +35,7 @@ and ranks that differ.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -187,10 +188,28 @@ def simulate(profile: Profile, network: Network, ranks: int, system: str,
     result = _run(profile, network, ranks, name, config, iterations, calibration, record)
     plain = None
     if name in PLAIN_PATHS and config.adaptive and not config.auto_tune:
-        plain = _run(profile, network, ranks, PLAIN_PATHS[name], default_config(name), iterations, calibration,
-                     False).seconds
+        plain = _plain_seconds(profile, network, ranks, name, iterations, calibration)
     return Result(system, result.seconds, result.link_busy, result.operations, plain, result.core_busy,
                   result.spans, result.iteration_starts)
+
+
+# The framework path does not depend on the scheduler's settings: a planner's grid of
+# partitions and credits needs it once. Keyed by everything it does depend on.
+_PLAIN_CACHE: "OrderedDict[tuple, float]" = OrderedDict()
+_PLAIN_CACHE_SIZE = 256
+
+
+def _plain_seconds(profile: Profile, network: Network, ranks: int, system: str, iterations: int,
+                   calibration: Optional[Calibration]) -> float:
+    costs = None if calibration is None else (tuple(sorted(calibration.backends.items())),
+                                               calibration.memcpy_bytes_per_s, calibration.cores)
+    key = (profile, network, ranks, system, iterations, costs)
+    if key not in _PLAIN_CACHE:
+        _PLAIN_CACHE[key] = _run(profile, network, ranks, PLAIN_PATHS[system], default_config(system), iterations,
+                                 calibration, False).seconds
+        if len(_PLAIN_CACHE) > _PLAIN_CACHE_SIZE:
+            _PLAIN_CACHE.popitem(last=False)
+    return _PLAIN_CACHE[key]
 
 
 def _steady(starts: List[float]) -> float:

@@ -60,6 +60,7 @@ class PolicyDriver:
         self.operations = 0
         self._arrived: Dict[int, int] = {}  # task key -> bytes averaged so far
         self._hold_timer = False
+        self._woken = False  # a decision is due at this moment
 
     def submit(self, payload: Any, key: int, nbytes: int, priority: float, numel: Optional[int] = None,
                itemsize: int = 4) -> None:
@@ -78,7 +79,14 @@ class PolicyDriver:
             self.kick(self.sim.now)
 
     def kick(self, now: float) -> None:
-        """Something changed: the dispatcher decides now, or after the batch it is launching."""
+        """Something changed: the dispatcher decides once this moment's events are all in (as
+        the runtime's wakes up a moment after a submit), or after the batch it is launching."""
+        if self.dispatcher.idle and not self._woken:
+            self._woken = True
+            self.sim.at(now, self._wake)
+
+    def _wake(self, now: float) -> None:
+        self._woken = False
         if self.dispatcher.idle:
             self._decide(now)
 

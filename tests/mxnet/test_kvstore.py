@@ -115,6 +115,8 @@ TRAINING = {
     "adaptive-local-update-hybrid": (["--overlap", "--hybrid", "--adaptive"], 1),
     # rank 1 alone turns the mode switch off (and sets two more variables): rank 0's settings win
     "settings-on-rank-1-only": (["--update-on-kv", "--overlap", "--rank1-env"], 2),
+    # a plan that says "don't schedule": the switch starts on MXNet's own calls, then re-tries
+    "plan-dont-schedule": (["--update-on-kv", "--overlap", "--adaptive", "--plan-plain"], 2),
 }
 
 
@@ -143,7 +145,12 @@ def test_gluon_training_equals_reference(case, reference, tmp_path):
         text_1 = "\n".join(json.loads(warnings["1"]))
         for variable in ("BYTESCHEDULER_ADAPTIVE", "BYTESCHEDULER_CYCLE_TIME", "BYTESCHEDULER_FAST_LANE"):
             assert variable in text_1, warnings
-    if "--adaptive" in options or "--rank1-env" in options:
+    if "--plan-plain" in options:
+        modes = dict(re.findall(r"MODES rank=(\d) (\w+)", text))
+        assert modes.keys() == {"0", "1"} and modes["0"] == modes["1"], text
+        # the plan's hold of the plain path (3 steps with the short phases), then the re-trial
+        assert len(modes["0"]) == 19 and modes["0"].startswith("ppps"), modes
+    elif "--adaptive" in options or "--rank1-env" in options:
         modes = dict(re.findall(r"MODES rank=(\d) (\w+)", text))
         assert modes.keys() == {"0", "1"} and modes["0"] == modes["1"], text  # the same path on every worker
         # 19 steps seen to end: warm-up, scheduled trial, plain trial, then holds and re-trials

@@ -1,7 +1,7 @@
 """gluon MLP training, 20 steps; saves the parameters.
 
     train_mlp.py MODE PREFIX [--update-on-kv] [--overlap] [--hybrid] [--partition BYTES]
-                 [--grain BYTES] [--repartition STEP:BYTES ...] [--auto-tune] [--adaptive]
+                 [--grain BYTES] [--repartition STEP:BYTES ...] [--auto-tune] [--adaptive] [--plan-plain]
 
 MODE:
   plain      a dist_sync worker with kvstore="dist_sync" (unwrapped)
@@ -20,7 +20,8 @@ the schedule and MXNet's own calls; it prints the mode of every step (s or p). W
 wrapped store schedules every step. ``--rank1-env`` leaves ``adaptive`` to the environment
 and gives rank 1 alone a few bytescheduler variables (``BYTESCHEDULER_ADAPTIVE=0`` among
 them): the workers must still agree, on rank 0's settings; it prints the settings in force
-and rank 1's warnings.
+and rank 1's warnings. ``--plan-plain`` gives the store a plan that says "don't schedule"
+(``plan=PREFIX-plan.json``): the mode switch starts on MXNet's own calls.
 """
 
 import argparse
@@ -103,9 +104,15 @@ def worker(args) -> None:
             logging.getLogger("bytescheduler").addHandler(handler)
             if store.rank == 1:
                 os.environ.update(RANK1_ENV)
+        plan = None
+        if args.plan_plain:
+            from bytescheduler.core.plan import Plan
+            plan = f"{args.prefix}-plan-rank{store.rank}.json"
+            with open(plan, "w") as handle:
+                handle.write(Plan(False, args.partition, 4096).to_json())
         kv = ScheduledKVStore(store, partition_bytes=args.partition, grain_bytes=args.grain, credit_bytes=4096,
                               timeout=60, auto_tune=args.auto_tune,
-                              adaptive=None if args.rank1_env else args.adaptive)
+                              adaptive=None if args.rank1_env else args.adaptive, plan=plan)
     else:
         kv = mx.kv.create("dist_sync")
     rank = kv.rank
@@ -169,6 +176,7 @@ def main() -> None:
     parser.add_argument("--auto-tune", action="store_true")
     parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--rank1-env", action="store_true")
+    parser.add_argument("--plan-plain", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="reference: the number of workers' batches summed")
     parser.add_argument("--jitter", action="store_true", help="random pauses every step; the last worker starts late")
     args = parser.parse_args()
