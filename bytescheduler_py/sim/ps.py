@@ -50,7 +50,7 @@ from ..core.config import SchedulerConfig
 from ..core.partition import partition_ranges
 from ..core.task import Operation
 from .calibration import BackendCosts, Calibration
-from .events import Simulation, Thread, Work
+from .events import Phase, Simulation, Thread, Wait, Work
 from .fluid import CORE
 from .network import Network
 from .profile import Profile
@@ -207,12 +207,11 @@ class Servers:
         self._send[server].run(_transfer("push", push, half_cpu, fixed), pushed)
 
 
-def _transfer(name: str, links: Dict[str, float], cpu_seconds: float, fixed: float) -> list:
-    from .events import Wait
-
+def _transfer(name: str, links: Dict[str, float], cpu_seconds: float, fixed: float) -> List[Phase]:
+    """A message's phases: its fixed wait, then its bytes over ``links`` with ``cpu_seconds``."""
     demand = dict(links)
     demand[CORE] = cpu_seconds
-    phases: list = []
+    phases: List[Phase] = []
     if fixed > 0:
         phases.append(Wait("latency", fixed, name))
     phases.append(Work(name, 1.0, demand, name))
