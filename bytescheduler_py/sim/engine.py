@@ -82,15 +82,20 @@ class Result:
     iteration_starts: Tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     @property
-    def chosen_seconds(self) -> float:
-        """What the mode switch would run: the schedule only when it is faster by more than 1%."""
+    def chosen_path(self) -> str:
+        """The path the mode switch would run: the schedule only when it is more than 1% faster.
+
+        >>> Result("scheduled", 1.0, 0.5, 10, plain_seconds=1.0).chosen_path
+        'framework'
+        """
         if self.plain_seconds is None or self.seconds < self.plain_seconds * (1 - SWITCH_MARGIN):
-            return self.seconds
-        return self.plain_seconds
+            return "scheduled"
+        return "framework"
 
     @property
-    def chosen_path(self) -> str:
-        return "scheduled" if self.chosen_seconds == self.seconds else "framework"
+    def chosen_seconds(self) -> float:
+        """The seconds per iteration of :attr:`chosen_path`."""
+        return self.seconds if self.chosen_path == "scheduled" or self.plain_seconds is None else self.plain_seconds
 
 
 def canonical(system: str) -> str:
