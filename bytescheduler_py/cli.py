@@ -5,6 +5,7 @@
     bytescheduler microbench   scheduling cost per piece with a no-op backend
     bytescheduler tuner-check  the grid of partition x credit on the testbed, then the tuner from a plan
     bytescheduler simulate     predicted seconds per iteration on any number of ranks and link rate
+    bytescheduler calibrate    measure each backend's costs here (fixed, rate, CPU) for the simulator
     bytescheduler plan         the partition and credit to run with (or not to schedule), from the simulator
     bytescheduler sweep        predicted speedups over ranks, rates, partitions and credits; a plot
     bytescheduler mxnet-launch an MXNet parameter-server job on 127.0.0.1 (-n 2 -s 1 -- python train.py)
@@ -25,6 +26,7 @@ COMMANDS = {
     "microbench": "scheduling cost per piece with a backend that does nothing",
     "tuner-check": "grid of partition x credit on the testbed, then the tuner from a plan: how soon it gets close",
     "simulate": "predict each system's time per iteration for any ranks and link rate",
+    "calibrate": "measure each backend's cost per operation and per byte here, for simulate",
     "plan": "recommend partition and credit (or not to schedule) for a model and cluster, from the simulator",
     "sweep": "predicted speedup over ranks, bandwidth, partition and credit, with a plot",
     "mxnet-launch": "run an MXNet parameter-server job (scheduler, servers, workers) on 127.0.0.1",
@@ -55,6 +57,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .bench.tuner_check import main as run
     elif command == "simulate":
         from .sim.cli import main as run
+    elif command == "calibrate":
+        from .sim.calibrate import main as run
     elif command == "plan":
         from .sim.planner import main as run
     elif command == "sweep":

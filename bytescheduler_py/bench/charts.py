@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 _COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "step": "#55a868", "all-reduce": "#8172b3",
-           "lane0": "#c44e52", "lane1": "#937860", "task": "#bbbbbb"}
+           "lane0": "#c44e52", "lane1": "#937860", "task": "#bbbbbb", "update": "#64b5cd", "copy": "#ccb974",
+           "dispatch": "#8c8c8c", "negotiate": "#da8bc3", "push": "#c44e52", "reply": "#937860", "server": "#8172b3"}
 
 
 def bar_chart(summary: dict, path: str) -> None:
@@ -75,10 +76,13 @@ def _iteration_window(compute: List[dict], period_us: Optional[float] = None) ->
 
 
 def timeline_chart(system: str, label: str, compute_events: List[dict], traces: List[dict], path: str,
-                   rank0: int = 0, period_s: Optional[float] = None) -> None:
+                   rank0: int = 0, period_s: Optional[float] = None, rows_of: Tuple[str, ...] = ("lane",)) -> None:
     """Gantt chart of compute and communication per rank over the last two traced iterations.
 
     ``period_s``: the measured seconds per iteration, when known (see :func:`_iteration_window`).
+    ``rows_of``: the async spans whose category starts with one of these get a row per
+    category (the lanes; the simulator's threads too); a span's colour is its ``kind``
+    argument, else its category.
     """
     compute = [e for e in compute_events if e["cat"] == f"compute:{system}"]
     if not compute:
@@ -98,23 +102,27 @@ def timeline_chart(system: str, label: str, compute_events: List[dict], traces: 
             begins[key] = event
         elif event["ph"] == "e" and key in begins:
             begin = begins.pop(key)
-            if begin["cat"].startswith("lane"):
-                rows[f"rank {event['pid']} {begin['cat']}"].append((begin["ts"], event["ts"], begin["cat"]))
+            if begin["cat"].startswith(rows_of):
+                kind = begin.get("args", {}).get("kind", begin["cat"])
+                rows[f"rank {event['pid']} {begin['cat']}"].append((begin["ts"], event["ts"], kind))
     height = 0.5 * len(rows) + 1.8
     figure, axes = plt.subplots(figsize=(11, height))
     labels = sorted(rows)
+    drawn = set()
     for y, row in enumerate(labels):
         spans = [(a, b, kind) for a, b, kind in rows[row] if b > start and a < end]
         for a, b, kind in spans:
             axes.barh(y, (b - a) / 1e3, left=(a - start) / 1e3, height=0.6, color=_COLORS.get(kind, "#777777"),
                       edgecolor="white", linewidth=0.3)
+            drawn.add(kind)
     axes.set_yticks(range(len(labels)))
     axes.set_yticklabels(labels)
     axes.invert_yaxis()
     axes.set_xlim(0, (end - start) / 1e3)
     axes.set_xlabel("milliseconds (about two iterations, rank 0's clock)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLORS.values()]
-    figure.legend(handles, list(_COLORS), ncol=len(_COLORS), fontsize=7, loc="lower center")
+    kinds = [kind for kind in _COLORS if kind in drawn] or list(_COLORS)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[kind]) for kind in kinds]
+    figure.legend(handles, kinds, ncol=len(kinds), fontsize=7, loc="lower center")
     axes.set_title(label)
     figure.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below the axis label
     figure.savefig(path, dpi=110)

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .models import MODELS
 from .report import merge, report
+from ..launcher import free_port
 from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
 TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled")
@@ -63,14 +64,14 @@ class JobFailed(RuntimeError):
 
 
 @dataclass
-class _Process:
+class Process:
     name: str
     command: List[str]
     env: Dict[str, str]
     helper: bool = False  # serves the others until the job is over (then killed); exiting early is a failure
 
 
-def _run_processes(label: str, processes: List[_Process], log_dir: str, end: float,
+def run_processes(label: str, processes: List[Process], log_dir: str, end: float,
                    show_progress: bool = True) -> None:
     """Run one job: start every process in a session of its own, follow the first one's output
     (``PROGRESS`` lines as a bar), fail fast, and kill whatever is left, whatever happens."""
@@ -94,7 +95,7 @@ def _run_processes(label: str, processes: List[_Process], log_dir: str, end: flo
             log.close()
 
 
-def _follow(label: str, processes: List[_Process], popens: List[subprocess.Popen], log_dir: str, end: float,
+def _follow(label: str, processes: List[Process], popens: List[subprocess.Popen], log_dir: str, end: float,
             show_progress: bool) -> None:
     stream = popens[0].stdout.fileno()
     os.set_blocking(stream, False)
@@ -127,14 +128,6 @@ def _progress(label: str, done: int, total: int) -> None:
     bar = "#" * (30 * done // total)
     print(f"\r  {label:<8} rounds [{bar:<30}] {done}/{total}", end="\n" if done == total else "",
           file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker_options(args: argparse.Namespace, systems: List[str], job_dir: str, rounds: int,
@@ -172,47 +165,77 @@ def _read_results(job_dir: str) -> List[dict]:
     return results
 
 
+def torch_ranks(testbed: Testbed, module: str, options: List[str]) -> List[Process]:
+    """One process per rank running ``python -m module --backend gloo --rank R ... options``,
+    joined by torch.distributed (gloo) through rank 0's address."""
+    port = free_port()  # free on the host; namespaces start with every port free
+    processes = []
+    for rank in range(WORLD):
+        command = [sys.executable, "-m", module, "--backend", "gloo", "--rank", str(rank),
+                   "--world-size", str(WORLD), "--master", testbed.master_addr, "--port", str(port), *options]
+        env = dict(os.environ, **testbed.env(rank), BYTESCHEDULER_TIMELINE="")
+        processes.append(Process(f"rank{rank}", testbed.wrap(rank, command), env))
+    return processes
+
+
+def horovod_ranks(testbed: Testbed, module: str, options: List[str], job_dir: str,
+                  extra_env: Optional[Dict[str, str]] = None) -> List[Process]:
+    """The processes of a Horovod job started as horovodrun --gloo would: a rendezvous server in
+    rank 0's namespace and one ``python -m module --backend horovod ... options`` per rank."""
+    from .rendezvous import host_plan
+
+    port_file = os.path.join(job_dir, "rendezvous.port")
+    hosts = ",".join(f"{name}:{count}" for name, count in Counter(testbed.hostname(r) for r in range(WORLD)).items())
+    processes = []
+    for slot in host_plan(hosts, WORLD):
+        command = [sys.executable, "-m", module, "--backend", "horovod", "--rendezvous-port-file", port_file, *options]
+        if isinstance(testbed, NamespaceTestbed):  # see worker.set_hostname
+            command += ["--hostname", testbed.address(slot.rank)]
+        env = dict(os.environ, **testbed.env(slot.rank), **(extra_env or {}), BYTESCHEDULER_TIMELINE="",
+                   HOROVOD_GLOO_RENDEZVOUS_ADDR=testbed.master_addr, HOROVOD_CONTROLLER="gloo",
+                   HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_HOSTNAME=slot.hostname, HOROVOD_RANK=str(slot.rank),
+                   HOROVOD_SIZE=str(slot.size), HOROVOD_LOCAL_RANK=str(slot.local_rank),
+                   HOROVOD_LOCAL_SIZE=str(slot.local_size), HOROVOD_CROSS_RANK=str(slot.cross_rank),
+                   HOROVOD_CROSS_SIZE=str(slot.cross_size))
+        processes.append(Process(f"rank{slot.rank}", testbed.wrap(slot.rank, command), env))
+    server = [sys.executable, "-m", "bytescheduler.bench.rendezvous", "--hosts", hosts, "--size", str(WORLD),
+              "--port-file", port_file]
+    processes.append(Process("rendezvous", testbed.wrap(0, server), dict(os.environ), helper=True))
+    return processes
+
+
+def mxnet_nodes(testbed: Testbed, worker: List[str], python: str) -> List[Process]:
+    """A ps-lite job: the scheduler in rank 0's namespace, a server and a worker (``worker``, a
+    command) in each rank's."""
+    base = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
+    base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", BYTESCHEDULER_TIMELINE="",
+                DMLC_PS_ROOT_URI=testbed.master_addr, DMLC_PS_ROOT_PORT=str(free_port()),
+                DMLC_NUM_SERVER=str(WORLD), DMLC_NUM_WORKER=str(WORLD))
+
+    def node(role: str, rank: int, command: List[str]) -> Process:
+        env = dict(base, **testbed.env(rank), DMLC_ROLE=role, DMLC_NODE_HOST=testbed.address(rank))
+        return Process(f"{role}{rank}", testbed.wrap(rank, command), env)
+
+    role = [python, "-c", "import mxnet"]  # importing MXNet runs a scheduler's or server's role
+    processes = [node("worker", rank, worker) for rank in range(WORLD)]
+    return processes + [node("scheduler", 0, role)] + [node("server", rank, role) for rank in range(WORLD)]
+
+
 def run_torch_job(testbed: Testbed, args: argparse.Namespace, systems: List[str], work_dir: str,
                   end: float) -> List[List[dict]]:
     """The torch.distributed systems, alternating in one job; its per-rank results."""
     job_dir = _job_dir(work_dir, "torch")
-    port = _free_port()  # free on the host; namespaces start with every port free
-    processes = []
-    for rank in range(WORLD):
-        command = [sys.executable, "-m", "bytescheduler.bench.worker", "--backend", "gloo", "--rank", str(rank),
-                   "--world-size", str(WORLD), "--master", testbed.master_addr, "--port", str(port),
-                   *_worker_options(args, systems, job_dir, args.rounds)]
-        env = dict(os.environ, **testbed.env(rank), BYTESCHEDULER_TIMELINE="")
-        processes.append(_Process(f"rank{rank}", testbed.wrap(rank, command), env))
-    _run_processes("torch", processes, job_dir, end)
+    processes = torch_ranks(testbed, "bytescheduler.bench.worker", _worker_options(args, systems, job_dir, args.rounds))
+    run_processes("torch", processes, job_dir, end)
     return [_read_results(job_dir)]
 
 
 def run_horovod_job(testbed: Testbed, args: argparse.Namespace, systems: List[str], work_dir: str,
                     end: float) -> List[List[dict]]:
     """The Horovod systems, alternating in one job started as horovodrun --gloo would; its per-rank results."""
-    from .rendezvous import host_plan
-
     job_dir = _job_dir(work_dir, "horovod")
-    port_file = os.path.join(job_dir, "rendezvous.port")
-    hosts = ",".join(f"{name}:{count}" for name, count in Counter(testbed.hostname(r) for r in range(WORLD)).items())
-    processes = []
-    for slot in host_plan(hosts, WORLD):
-        command = [sys.executable, "-m", "bytescheduler.bench.worker", "--backend", "horovod",
-                   "--rendezvous-port-file", port_file, *_worker_options(args, systems, job_dir, args.rounds)]
-        if isinstance(testbed, NamespaceTestbed):  # see worker._set_hostname
-            command += ["--hostname", testbed.address(slot.rank)]
-        env = dict(os.environ, **testbed.env(slot.rank), BYTESCHEDULER_TIMELINE="",
-                   HOROVOD_GLOO_RENDEZVOUS_ADDR=testbed.master_addr, HOROVOD_CONTROLLER="gloo",
-                   HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_HOSTNAME=slot.hostname, HOROVOD_RANK=str(slot.rank),
-                   HOROVOD_SIZE=str(slot.size), HOROVOD_LOCAL_RANK=str(slot.local_rank),
-                   HOROVOD_LOCAL_SIZE=str(slot.local_size), HOROVOD_CROSS_RANK=str(slot.cross_rank),
-                   HOROVOD_CROSS_SIZE=str(slot.cross_size))
-        processes.append(_Process(f"rank{slot.rank}", testbed.wrap(slot.rank, command), env))
-    server = [sys.executable, "-m", "bytescheduler.bench.rendezvous", "--hosts", hosts, "--size", str(WORLD),
-              "--port-file", port_file]
-    processes.append(_Process("rendezvous", testbed.wrap(0, server), dict(os.environ), helper=True))
-    _run_processes("horovod", processes, job_dir, end)
+    options = _worker_options(args, systems, job_dir, args.rounds)
+    run_processes("horovod", horovod_ranks(testbed, "bytescheduler.bench.worker", options, job_dir), job_dir, end)
     return [_read_results(job_dir)]
 
 
@@ -235,21 +258,9 @@ def run_mxnet_jobs(testbed: Testbed, args: argparse.Namespace, systems: List[str
 
 def _run_mxnet_job(testbed: Testbed, args: argparse.Namespace, options: List[str], job_dir: str,
                    end: float) -> List[dict]:
-    """A ps-lite job: the scheduler in rank 0's namespace, a server and a worker in each rank's."""
-    base = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
-    base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", BYTESCHEDULER_TIMELINE="",
-                DMLC_PS_ROOT_URI=testbed.master_addr, DMLC_PS_ROOT_PORT=str(_free_port()),
-                DMLC_NUM_SERVER=str(WORLD), DMLC_NUM_WORKER=str(WORLD))
-
-    def node(role: str, rank: int, command: List[str]) -> _Process:
-        env = dict(base, **testbed.env(rank), DMLC_ROLE=role, DMLC_NODE_HOST=testbed.address(rank))
-        return _Process(f"{role}{rank}", testbed.wrap(rank, command), env)
-
+    """A ps-lite job: the scheduler in rank 0's namespace, a server and a worker per rank's."""
     worker = [args.mxnet_python, "-m", "bytescheduler.bench.mxnet_worker", *options]
-    role = [args.mxnet_python, "-c", "import mxnet"]  # importing MXNet runs a scheduler's or server's role
-    processes = [node("worker", rank, worker) for rank in range(WORLD)]
-    processes += [node("scheduler", 0, role)] + [node("server", rank, role) for rank in range(WORLD)]
-    _run_processes("mxnet", processes, job_dir, end, show_progress=False)
+    run_processes("mxnet", mxnet_nodes(testbed, worker, args.mxnet_python), job_dir, end, show_progress=False)
     return _read_results(job_dir)
 
 
@@ -375,7 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                             deadline = time.monotonic() + args.deadline
                             jobs += [(LINKS[job], results) for results in run(testbed, args, names, work_dir, deadline)]
                 except JobFailed as error:
-                    _show_logs(error.log_dir)
+                    show_logs(error.log_dir)
                     print(f"bench: {error}", file=sys.stderr)
                     return 1
                 command = " ".join(["bytescheduler", "bench", *(argv if argv is not None else sys.argv[1:])])
@@ -391,7 +402,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _show_logs(log_dir: str) -> None:
+def show_logs(log_dir: str) -> None:
     for name in sorted(os.listdir(log_dir)):
         if name.endswith(".log"):
             with open(os.path.join(log_dir, name)) as handle:

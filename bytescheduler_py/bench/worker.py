@@ -170,14 +170,14 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
     return systems
 
 
-def _start_gloo(args) -> Callable[[], None]:
+def start_gloo(args) -> Callable[[], None]:
     """Join the torch.distributed job; return what ends it."""
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
                             world_size=args.world_size, timeout=timedelta(seconds=600))
     return dist.destroy_process_group
 
 
-def _set_hostname(name: str) -> None:
+def set_hostname(name: str) -> None:
     """Give this process a hostname of its own, in a private UTS namespace (needs root).
 
     Horovod 0.28.1 creates the gloo device of each process set (the global one included)
@@ -194,12 +194,12 @@ def _set_hostname(name: str) -> None:
     socket.sethostname(name)
 
 
-def _start_horovod(args) -> Callable[[], None]:
+def start_horovod(args) -> Callable[[], None]:
     """Wait for the rendezvous server's port, then ``hvd.init()``; return what ends Horovod."""
     import horovod.torch as hvd
 
     if args.hostname:
-        _set_hostname(args.hostname)
+        set_hostname(args.hostname)
     end = time.monotonic() + 120
     while not os.path.exists(args.rendezvous_port_file):
         if time.monotonic() > end:
@@ -216,8 +216,9 @@ def _link_rate(allreduce: Callable[[torch.Tensor], None], barrier: Callable[[], 
     return link_rate(lambda: allreduce(tensor), barrier, world)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_rank_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a rank joins its job (what :func:`start_gloo` and :func:`start_horovod` read), as the
+    runner's ``torch_ranks`` and ``horovod_ranks`` pass it."""
     parser.add_argument("--backend", choices=("gloo", "horovod"), default="gloo")
     parser.add_argument("--rank", type=int, help="gloo: this rank")
     parser.add_argument("--world-size", type=int, help="gloo: number of ranks")
@@ -225,6 +226,11 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, help="gloo: rank 0's port")
     parser.add_argument("--rendezvous-port-file", help="horovod: where the rendezvous server's port appears")
     parser.add_argument("--hostname", help="horovod: run under this hostname (this rank's address in a namespace)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_rank_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -232,13 +238,13 @@ def main(argv=None) -> int:
     if args.backend == "horovod":
         import horovod.torch as hvd
 
-        shutdown = _start_horovod(args)
+        shutdown = start_horovod(args)
         rank, world, barrier = hvd.rank(), hvd.size(), hvd.barrier
 
         def allreduce(tensor: torch.Tensor) -> None:
             hvd.allreduce_(tensor, op=hvd.Sum, name="bytescheduler.bench.link")
     else:
-        shutdown = _start_gloo(args)
+        shutdown = start_gloo(args)
         rank, world, barrier = args.rank, args.world_size, dist.barrier
         allreduce = dist.all_reduce
     tracer = Tracer(rank)

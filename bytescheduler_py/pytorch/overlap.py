@@ -33,6 +33,7 @@ from ..core.errors import CommunicationTimeout, ErrorLatch, SchedulerClosed
 from ..core.log import logger
 from ..core.modes import PLAIN
 from .adaptive import ModeSwitch, PlainSetup
+from .compute_timeline import ComputeTimeline
 from .errors import AGAIN, GradientError, check_arguments, undeclared_sparse
 from .heap import raise_malloc_thresholds
 from .params import COMMUNICATED, IDLE, QUEUED, ParamHooks, ParamState
@@ -106,6 +107,12 @@ class OverlapEngine:
             own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
             if own:
                 self._params.keep(module.register_forward_pre_hook(self._make_pre_hook(own)))
+        # With a timeline, the compute too (for `bytescheduler simulate --trace`); else no hook.
+        self.compute_timeline: Optional[ComputeTimeline] = None
+        if scheduler.timeline is not None:
+            self.compute_timeline = ComputeTimeline(model, scheduler.timeline)
+            for handle in self.compute_timeline.handles:
+                self._params.keep(handle)
         # Gradients are freed while the next forward runs; keep glibc from returning their
         # memory to the kernel each time (see heap.py: ~5,000 page faults per iteration).
         raise_malloc_thresholds()
@@ -227,6 +234,8 @@ class OverlapEngine:
     def step(self) -> None:
         """Record this step's hyperparameters; updates follow as gradients arrive."""
         self._latch.raise_if_set()
+        if self.compute_timeline is not None:
+            self.compute_timeline.step_called()
         if self._closed:
             raise SchedulerClosed(
                 "step() after close(): this ScheduledOptimizer no longer communicates, so the step "

@@ -10,6 +10,7 @@ user's optimizer class over one parameter or over all, without its step hooks.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Dict, List
 
@@ -107,7 +108,12 @@ class Updater:
                     first = batch[0]
                     with engine._cond:
                         values = self.snapshots.take(first.step_number, first.group, len(batch))
+                    recorder = engine.compute_timeline
+                    start = time.perf_counter() if recorder is not None else 0.0
                     batch_optimizer(batch, values).step()
+                    if recorder is not None:
+                        recorder.update(start, time.perf_counter(),
+                                        sum(s.param.numel() * s.param.element_size() for s in batch))
                     engine._applied(batch)
             except BaseException as error:  # noqa: BLE001 - surfaces in the training thread
                 with engine._cond:

@@ -1,321 +1,220 @@
 """A discrete-event simulation of data-parallel training iterations on N ranks.
 
 Every rank computes alike and has a link of the same rate, so one rank is simulated: its
-compute (from a :class:`~bytescheduler.sim.profile.Profile`) and the backend's lanes,
-each a first-in-first-out queue of all-reduce operations; the operations at the heads of
-busy lanes share the link equally. An operation's cost is the
-:class:`~bytescheduler.sim.network.Network`'s all-reduce time for N ranks.
-
-Systems:
+training thread (:mod:`~bytescheduler.sim.training`), its communication threads and its
+link, with the CPU of its core(s) and its link shared max-min fair among what runs
+(:mod:`~bytescheduler.sim.fluid`). Systems (the bench's names; ``mxnet`` and
+``mxnet-scheduled`` are the ``ps`` ones):
 
 * ``compute``: forward, backward and step, no communication.
-* ``ddp``: DDP's buckets (the first of 1 MiB, then 25 MiB, in reverse parameter order),
-  each all-reduced once all its gradients are ready and the buckets before it were
-  launched; the step waits for every bucket.
-* ``ddp-hook``: the same buckets through the scheduled hook: the real
-  :class:`~bytescheduler.core.policy.SchedulingPolicy` decides which pieces go when.
-* ``scheduled``: ScheduledOptimizer: each gradient goes through the real policy as soon as
-  it is ready, ``step()`` returns at once, the update of each layer follows its
-  communication (on one updater, the step's time shared by bytes), and the next forward
-  of a layer waits only for that layer's update.
+* ``ddp``: DDP's buckets over gloo (:mod:`~bytescheduler.sim.allreduce`).
+* ``ddp-hook``: the same buckets through the scheduled hook and the real policy.
+* ``scheduled``: ScheduledOptimizer over gloo: every gradient through the real policy,
+  updates as gradients arrive, each layer's next forward waiting for its own.
+* ``hvd``: Horovod's DistributedOptimizer: its background thread's cycle, negotiation and
+  tensor fusion (:mod:`~bytescheduler.sim.horovod`).
+* ``hvd-scheduled``: ScheduledOptimizer over Horovod: the policy's operations through
+  Horovod's thread and cycle, completions seen by our poller.
+* ``ps``: MXNet's ``dist_sync`` parameter server as gluon's Trainer uses it
+  (:mod:`~bytescheduler.sim.ps`).
+* ``ps-scheduled``: ScheduledKVStore: the policy over the same servers, large keys as
+  sub-keys spread over them, each block's forward waiting for its own pulls.
 
-The scheduled systems run the runtime's own policy object with simulated time: the
-simulator never re-implements a scheduling rule. Left out: the CPU the scheduler, the
-backend's threads and the updater take from the training thread (large on a one-core
-rank; see docs/benchmarks.md), stragglers and jitter.
+The scheduled systems run the runtime's own :class:`~bytescheduler.core.policy.SchedulingPolicy`
+with simulated time (:mod:`~bytescheduler.sim.scheduling`): the simulator never
+re-implements a scheduling rule. They also have a mode switch (``adaptive``): the result
+holds the prediction of the framework's own path too (``plain_seconds``), and which the
+switch would run (``chosen_seconds``).
+
+With a :class:`~bytescheduler.sim.calibration.Calibration`, communication, our threads and
+the updater cost CPU on the rank's core(s), measured per operation and per byte; without
+one they cost none and every thread has a core of its own. Left out: stragglers, jitter,
+and ranks that differ.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 from ..core.config import SchedulerConfig
-from ..core.policy import SchedulingPolicy
-from ..core.task import Operation, Task
+from .allreduce import LINK, DdpReducer, GlooLanes, ScheduledAllReduce, ScheduledHook, ddp_buckets
+from .calibration import Calibration
+from .events import Simulation, Span
+from .fluid import CORE
 from .network import Network
 from .profile import Profile
+from .training import StepMode, Training, gradients
 
-SYSTEMS = ("compute", "ddp", "ddp-hook", "scheduled")
-# DDP's defaults: the first bucket is small so that communication starts early.
-FIRST_BUCKET_BYTES = 1024**2
-BUCKET_BYTES = 25 * 1024**2
-LANES = 2  # the torch backend's: a main lane and the fast lane
+__all__ = ["SYSTEMS", "ALIASES", "Result", "simulate", "default_config", "canonical", "gradients", "ddp_buckets"]
+
+SYSTEMS = ("compute", "ddp", "ddp-hook", "scheduled", "hvd", "hvd-scheduled", "ps", "ps-scheduled")
+# The bench's names for the parameter-server systems, so predictions and measurements line up.
+ALIASES = {"mxnet": "ps", "mxnet-scheduled": "ps-scheduled"}
+SYSTEM_NAMES = SYSTEMS + tuple(ALIASES)
+# Each scheduled system's framework path: what its mode switch runs instead.
+PLAIN_PATHS = {"ddp-hook": "ddp-hook:plain", "scheduled": "ddp", "hvd-scheduled": "hvd", "ps-scheduled": "ps-scheduled:plain"}
+# The mode switch keeps the framework's path unless the schedule is faster by more than this.
+SWITCH_MARGIN = 0.01
 
 
 @dataclass(frozen=True)
 class Result:
-    system: str
-    seconds: float  # per iteration, steady state
-    link_busy: float  # share of that time the link carried data
-    operations: float  # per iteration
+    """One system's prediction.
 
-
-@dataclass(frozen=True)
-class _Gradient:
-    key: int
-    nbytes: int
-    ready_s: float  # after backward starts
-    priority: int  # forward order of its first parameter (lower goes first)
-    layers: Tuple[int, ...]  # layers whose parameters it carries
-
-
-def gradients(profile: Profile) -> List[_Gradient]:
-    """Every parameter's gradient, in forward order."""
-    out = []
-    for index, layer in enumerate(profile.layers):
-        for tensor in layer.tensors:
-            out.append(_Gradient(len(out), tensor.nbytes, tensor.ready_s, len(out), (index,)))
-    return out
-
-
-def ddp_buckets(profile: Profile) -> List[_Gradient]:
-    """DDP's buckets in launch order: parameters in reverse order, closed once at their cap."""
-    buckets: List[List[_Gradient]] = [[]]
-    cap = FIRST_BUCKET_BYTES
-    for grad in reversed(gradients(profile)):
-        buckets[-1].append(grad)
-        if sum(g.nbytes for g in buckets[-1]) >= cap:
-            buckets.append([])
-            cap = BUCKET_BYTES
-    out = []
-    ready = 0.0
-    for members in (b for b in buckets if b):
-        ready = max(ready, max(g.ready_s for g in members))  # DDP hands buckets over in order
-        out.append(_Gradient(len(out), sum(g.nbytes for g in members), ready, min(g.priority for g in members),
-                             tuple(sorted({layer for g in members for layer in g.layers}))))
-    return out
-
-
-class Link:
-    """The backend's lanes on one link: each lane runs its operations one at a time, in order;
-    the operations running on busy lanes share the link's rate equally."""
-
-    def __init__(self, lanes: int) -> None:
-        self.queues: List[List[Tuple[float, Callable[[float], None]]]] = [[] for _ in range(lanes)]
-        self.left: List[float] = [0.0] * lanes  # seconds at full rate left of each head
-        self.now = 0.0
-        self.busy = 0.0  # seconds the link carried something
-
-    def _active(self) -> List[int]:
-        return [lane for lane, queue in enumerate(self.queues) if queue]
-
-    def advance(self, until: float) -> List[Tuple[float, Callable[[float], None]]]:
-        """Run the link up to ``until``; return (finish time, callback) of every operation that ended."""
-        ended = []
-        while True:
-            active = self._active()
-            if not active:
-                self.now = until
-                return ended
-            share = len(active)
-            step = min(self.left[lane] for lane in active) * share
-            if self.now + step > until:
-                for lane in active:
-                    self.left[lane] -= (until - self.now) / share
-                self.busy += until - self.now
-                self.now = until
-                return ended
-            self.now += step
-            self.busy += step
-            for lane in active:
-                self.left[lane] -= step / share
-                if self.left[lane] <= 1e-15:
-                    _, done = self.queues[lane].pop(0)
-                    ended.append((self.now, done))
-                    self.left[lane] = self.queues[lane][0][0] if self.queues[lane] else 0.0
-
-    def next_end(self) -> Optional[float]:
-        active = self._active()
-        if not active:
-            return None
-        return self.now + min(self.left[lane] for lane in active) * len(active)
-
-    def launch(self, lane: int, seconds: float, done: Callable[[float], None]) -> None:
-        """Queue an operation of ``seconds`` (at the full rate) on ``lane`` (call after :meth:`advance`)."""
-        queue = self.queues[lane]
-        queue.append((seconds, done))
-        if len(queue) == 1:
-            self.left[lane] = seconds
-
-
-class _Run:
-    """One simulated run of a system: events in time order, the link, the policy."""
-
-    def __init__(self, profile: Profile, network: Network, ranks: int, config: SchedulerConfig, overlap: bool,
-                 units: List[_Gradient]) -> None:
-        self.profile = profile
-        self.network = network
-        self.ranks = ranks
-        self.overlap = overlap
-        self.units = units
-        self.policy = SchedulingPolicy(config.partition_bytes, config.credit_bytes, config.merge,
-                                       config.fast_lane_bytes, LANES, config.cycle_ms / 1000.0)
-        self.link = Link(LANES)
-        self._events: List[Tuple[float, int, Callable[[float], None]]] = []
-        self._order = itertools.count()
-        self.operations = 0
-        total = profile.gradient_bytes or 1
-        self._update_s = {u.key: profile.step_s * u.nbytes / total for u in units}
-        self._updater_free = 0.0
-        self._done_bytes: Dict[int, int] = {}
-        self._pending: Dict[int, int] = {}  # layer -> gradients not yet updated
-        self._layer_ready = [0.0] * len(profile.layers)  # when each layer's parameters are up to date
-        self._waiting: Optional[Tuple[int, float]] = None  # forward stopped at (layer, its start)
-        self.starts: List[float] = []
-        self.launched: List[int] = []  # operations launched when each iteration started
-
-    def at(self, when: float, action: Callable[[float], None]) -> None:
-        heapq.heappush(self._events, (when, next(self._order), action))
-
-    def run(self, iterations: int) -> None:
-        self.at(0.0, lambda now: self._forward(0, now))
-        while len(self.starts) <= iterations:
-            when = self._events[0][0] if self._events else None
-            end = self.link.next_end()
-            if end is None and when is None:
-                raise RuntimeError("simulation stalled: nothing to compute and nothing on the link")
-            if end is not None and (when is None or end <= when):
-                for finish, done in self.link.advance(end):
-                    done(finish)
-                continue
-            _, _, action = heapq.heappop(self._events)
-            for finish, done in self.link.advance(when):
-                done(finish)
-            action(when)
-            self._launch(when)
-        self.finish_time = self.link.now
-
-    # ------------------------------------------------------------------ compute
-
-    def _forward(self, layer: int, now: float) -> None:
-        layers = self.profile.layers
-        while layer < len(layers):
-            if self._pending.get(layer):
-                self._waiting = (layer, now)
-                return
-            begin = max(now, self._layer_ready[layer])
-            if layer == 0:
-                self.starts.append(begin)
-                self.launched.append(self.operations)
-            now = begin + layers[layer].forward_s
-            layer += 1
-        self.at(now, self._backward)
-
-    def _backward(self, now: float) -> None:
-        for unit in self.units:
-            for layer in unit.layers:
-                self._pending[layer] = self._pending.get(layer, 0) + 1
-            self.at(now + unit.ready_s, lambda t, unit=unit: self._ready(unit, t))
-        self.at(now + self.profile.backward_s, self._end_of_backward)
-
-    def _end_of_backward(self, now: float) -> None:
-        self.policy.end_burst()
-        if self.overlap:  # step() returns at once; each layer's forward waits for its own update
-            self._forward(0, now)
-        elif not any(self._pending.values()):
-            self._forward(0, now + self.profile.step_s)
-        else:
-            self._waiting = (-1, now)
-
-    # ------------------------------------------------------------------ communication
-
-    def _ready(self, unit: _Gradient, now: float) -> None:
-        task = Task(key=unit.key, numel=max(1, unit.nbytes // 4), itemsize=4, priority=unit.priority, payload=unit,
-                    fuse_key="f32")
-        self._done_bytes[unit.key] = 0
-        self.policy.add(task, now)
-
-    def _launch(self, now: float) -> None:
-        for op in self.policy.decide(now):
-            self.operations += 1
-            seconds = self.network.allreduce_seconds(op.nbytes, self.ranks)
-            self.link.launch(op.lane, seconds, lambda t, op=op: self._finished(op, t))
-        hold = self.policy.hold_remaining(now)
-        if hold > 0:
-            self.at(now + hold, lambda t: None)  # wake up when the hold ends (the loop then launches)
-
-    def _finished(self, op: Operation, now: float) -> None:
-        self.policy.finished(op)
-        for piece in op.pieces:
-            unit = piece.task.payload
-            self._done_bytes[unit.key] += piece.nbytes
-            if self._done_bytes[unit.key] == piece.task.nbytes:
-                self._update(unit, now)
-        self._launch(now)
-
-    def _update(self, unit: _Gradient, now: float) -> None:
-        if self.overlap:
-            self._updater_free = max(self._updater_free, now) + self._update_s[unit.key]
-            done = self._updater_free
-        else:
-            done = now
-        for layer in unit.layers:
-            self._pending[layer] -= 1
-            self._layer_ready[layer] = max(self._layer_ready[layer], done)
-        if self._waiting is None:
-            return
-        layer, since = self._waiting
-        if layer == -1 and not any(self._pending.values()):
-            self._waiting = None
-            self.at(max(since, now) + self.profile.step_s, lambda t: self._forward(0, t))
-        elif layer >= 0 and not self._pending.get(layer):
-            self._waiting = None
-            self.at(max(since, self._layer_ready[layer]), lambda t, layer=layer: self._forward(layer, t))
-
-
-def _ddp(profile: Profile, network: Network, ranks: int, iterations: int) -> Tuple[List[float], float, int]:
-    """DDP in closed form: buckets launched in order as they become ready, one lane."""
-    buckets = ddp_buckets(profile)
-    starts, now, link_free, busy = [], 0.0, 0.0, 0.0
-    for _ in range(iterations + 1):
-        starts.append(now)
-        backward = now + profile.forward_s
-        for bucket in buckets:
-            seconds = network.allreduce_seconds(bucket.nbytes, ranks)
-            link_free = max(link_free, backward + bucket.ready_s) + seconds
-            busy += seconds
-        now = max(backward + profile.backward_s, link_free) + profile.step_s
-    return starts, busy, len(buckets)
-
-
-def simulate(profile: Profile, network: Network, ranks: int, system: str,
-             config: Optional[SchedulerConfig] = None, iterations: int = 8) -> Result:
-    """Seconds per iteration of ``system`` in steady state (the mean of the last half of the iterations).
-
-    ``config``: the scheduler's settings for the scheduled systems (default: the adapter's
-    defaults, as ``bytescheduler.pytorch`` uses them).
+    seconds: per iteration in steady state (for a scheduled system: on the scheduled path).
+    link_busy: share of that time the link carried data.
+    operations: launched per iteration.
+    plain_seconds: for a scheduled system with ``adaptive``: its framework path's seconds.
+    core_busy: share of the core(s) in use (with a calibration; 0 without).
+    spans: the last iterations' phases per thread (``record=True``), for a Gantt chart.
     """
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}: use one of {', '.join(SYSTEMS)}")
-    if ranks < 1:
-        raise ValueError(f"ranks must be at least 1, not {ranks}")
-    if system == "compute":
-        return Result(system, profile.compute_s, 0.0, 0.0)
-    if system == "ddp":
-        starts, busy, ops = _ddp(profile, network, ranks, iterations)
-        seconds = _steady(starts)
-        return Result(system, seconds, min(1.0, busy / (iterations + 1) / seconds) if seconds else 0.0, ops)
-    if config is None:
-        config = default_config(system)
-    overlap = system == "scheduled"
-    units = gradients(profile) if overlap else ddp_buckets(profile)
-    run = _Run(profile, network, ranks, config, overlap, units)
-    run.run(iterations)
-    seconds = _steady(run.starts)
-    return Result(system, seconds, min(1.0, run.link.busy / (run.starts[-1] or 1.0)),  # over the whole run
-                  _steady(run.launched))
+
+    system: str
+    seconds: float
+    link_busy: float
+    operations: float
+    plain_seconds: Optional[float] = None
+    core_busy: float = 0.0
+    spans: Tuple[Span, ...] = field(default=(), repr=False, compare=False)
+    iteration_starts: Tuple[float, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def chosen_path(self) -> str:
+        """The path the mode switch would run: the schedule only when it is more than 1% faster.
+
+        >>> Result("scheduled", 1.0, 0.5, 10, plain_seconds=1.0).chosen_path
+        'framework'
+        """
+        if self.plain_seconds is None or self.seconds < self.plain_seconds * (1 - SWITCH_MARGIN):
+            return "scheduled"
+        return "framework"
+
+    @property
+    def chosen_seconds(self) -> float:
+        """The seconds per iteration of :attr:`chosen_path`."""
+        return self.seconds if self.chosen_path == "scheduled" or self.plain_seconds is None else self.plain_seconds
+
+
+def canonical(system: str) -> str:
+    """The simulator's name of ``system`` (the bench's names are accepted too)."""
+    name = ALIASES.get(system, system)
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}: use one of {', '.join(SYSTEM_NAMES)}")
+    return name
 
 
 def default_config(system: str) -> SchedulerConfig:
     """The settings an adapter uses when the user sets none (kept equal to the adapters' by a test)."""
+    system = canonical(system)
     if system == "ddp-hook":
         return SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2, adaptive=True)
-    # adaptive: the runtime may run the plain (DDP-like) path instead; this engine simulates
-    # the scheduled path, and the plain one is the "ddp" system.
+    if system == "hvd-scheduled":
+        # Horovod fuses by itself: the adapter turns merging off.
+        return SchedulerConfig(partition_bytes=8 * 1024**2, credit_bytes=16 * 1024**2, adaptive=True)
+    if system == "ps-scheduled":
+        # ps-lite sends every server key as a request of its own: the store turns merging off.
+        return SchedulerConfig(credit_bytes=64 * 1024**2, adaptive=True)
     return SchedulerConfig(cycle_ms=2.0, adaptive=True)
+
+
+def _capacities(calibration: Optional[Calibration]) -> Dict[str, float]:
+    return {CORE: float(calibration.cores) if calibration is not None else math.inf, LINK: 1.0}
+
+
+def _build(sim: Simulation, profile: Profile, network: Network, ranks: int, system: str,
+           config: SchedulerConfig, calibration: Optional[Calibration]) -> Training:
+    """The rank's training thread wired to ``system``'s communication."""
+    if system in ("hvd", "hvd-scheduled"):
+        from .horovod import build as build_horovod
+
+        return build_horovod(sim, profile, network, ranks, system, config, calibration)
+    if system.startswith("ps"):
+        from .ps import build as build_ps
+
+        return build_ps(sim, profile, network, ranks, system, config, calibration)
+    lanes = GlooLanes(sim, network, ranks, calibration)
+    if system == "ddp":
+        return Training(sim, profile, StepMode.WAIT, DdpReducer(lanes, profile, calibration))
+    if system == "ddp-hook:plain":  # DDP's all-reduce of each bucket, issued in the hook
+        return Training(sim, profile, StepMode.WAIT, DdpReducer(lanes, profile, calibration, divide=True))
+    if system == "ddp-hook":
+        return Training(sim, profile, StepMode.WAIT, ScheduledHook(lanes, profile, calibration, config, sim))
+    if system == "scheduled":
+        return Training(sim, profile, StepMode.OVERLAP, ScheduledAllReduce(lanes, calibration, config, sim))
+    raise ValueError(f"unknown system {system!r}")
+
+
+def _run(profile: Profile, network: Network, ranks: int, system: str, config: SchedulerConfig,
+         iterations: int, calibration: Optional[Calibration], record: bool) -> Result:
+    sim = Simulation(_capacities(calibration), record=record)
+    training = _build(sim, profile, network, ranks, system, config, calibration)
+    launched: List[int] = []
+    training.on_iteration.append(lambda now: launched.append(training.comm.operations))
+    training.start()
+    sim.run_until(lambda: len(training.starts) > iterations)
+    starts = training.starts
+    seconds = _steady(starts)
+    elapsed = starts[-1] or 1.0
+    window = (starts[-3] if len(starts) >= 3 else 0.0, starts[-1])
+    spans = tuple(s for s in sim.spans if s.end > window[0] and s.start < window[1]) if record else ()
+    core_busy = sim.busy(CORE) / elapsed / calibration.cores if calibration is not None else 0.0
+    link = sim.busy("up@0") if system.startswith("ps") else sim.busy(LINK)
+    return Result(system, seconds, min(1.0, link / elapsed), _steady([float(n) for n in launched]),
+                  core_busy=min(1.0, core_busy), spans=spans, iteration_starts=tuple(starts))
+
+
+def simulate(profile: Profile, network: Network, ranks: int, system: str,
+             config: Optional[SchedulerConfig] = None, iterations: int = 8,
+             calibration: Optional[Calibration] = None, record: bool = False) -> Result:
+    """Seconds per iteration of ``system`` in steady state (the mean of the last half of the iterations).
+
+    ``config``: the scheduler's settings for the scheduled systems (default: the adapter's
+    defaults, :func:`default_config`). ``calibration``: measured costs of communication and
+    CPU (see :mod:`bytescheduler.sim.calibration`); None leaves CPU out. ``record``: keep
+    the last two iterations' phases in ``Result.spans`` (for :mod:`bytescheduler.sim.gantt`).
+
+    >>> from bytescheduler.sim.profile import Layer, Tensor
+    >>> profile = Profile("one", (Layer("x", 0.05, (Tensor(2_000_000, 0.2),)),), backward_s=0.2, step_s=0.01)
+    >>> round(simulate(profile, Network(bandwidth=1e7, latency=0.0), 2, "ddp").seconds, 3)  # 0.05 + 0.2 + 0.2 + 0.01
+    0.46
+    """
+    name = canonical(system)
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, not {ranks}")
+    if iterations < 2:
+        raise ValueError(f"iterations must be at least 2 (a steady state needs two starts), not {iterations}")
+    if name == "compute":
+        return Result(system, profile.compute_s, 0.0, 0.0, iteration_starts=())
+    if config is None:
+        config = default_config(name)
+    result = _run(profile, network, ranks, name, config, iterations, calibration, record)
+    plain = None
+    if name in PLAIN_PATHS and config.adaptive and not config.auto_tune:
+        plain = _plain_seconds(profile, network, ranks, name, iterations, calibration)
+    return Result(system, result.seconds, result.link_busy, result.operations, plain, result.core_busy,
+                  result.spans, result.iteration_starts)
+
+
+# The framework path does not depend on the scheduler's settings: a planner's grid of
+# partitions and credits needs it once. Keyed by everything it does depend on.
+_PLAIN_CACHE: "OrderedDict[tuple, float]" = OrderedDict()
+_PLAIN_CACHE_SIZE = 256
+
+
+def _plain_seconds(profile: Profile, network: Network, ranks: int, system: str, iterations: int,
+                   calibration: Optional[Calibration]) -> float:
+    costs = None if calibration is None else (tuple(sorted(calibration.backends.items())),
+                                               calibration.memcpy_bytes_per_s, calibration.cores)
+    key = (profile, network, ranks, system, iterations, costs)
+    if key not in _PLAIN_CACHE:
+        _PLAIN_CACHE[key] = _run(profile, network, ranks, PLAIN_PATHS[system], default_config(system), iterations,
+                                 calibration, False).seconds
+        if len(_PLAIN_CACHE) > _PLAIN_CACHE_SIZE:
+            _PLAIN_CACHE.popitem(last=False)
+    return _PLAIN_CACHE[key]
 
 
 def _steady(starts: List[float]) -> float:

@@ -28,9 +28,10 @@ from .network import Network
 from .profile import Profile
 
 MiB = 1024**2
-# The framework's own path of each scheduled system: what "don't schedule" runs.
-# (Part 1's systems join here: "hvd-scheduled": "hvd", and the parameter server's pair.)
-FRAMEWORK_PATH: Dict[str, str] = {"scheduled": "ddp", "ddp-hook": "ddp"}
+# The framework's own system of each scheduled system: what "don't schedule" runs (the
+# bench's names of the parameter-server pair too).
+FRAMEWORK_PATH: Dict[str, str] = {"scheduled": "ddp", "ddp-hook": "ddp", "hvd-scheduled": "hvd",
+                                  "ps-scheduled": "ps", "mxnet-scheduled": "mxnet"}
 PARTITIONS = tuple(MiB << k for k in range(8)) + (MiB // 4, MiB // 2)  # 256 KiB .. 128 MiB
 CREDIT_MULTIPLES = (1, 2, 4, 8, 16)
 # Settings this close to the fastest count as equally fast; of those the plan takes the one

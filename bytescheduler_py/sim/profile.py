@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Tuple
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ class Profile:
 def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: int = 2) -> Profile:
     """Profile a bench model (:mod:`bytescheduler.bench.models`) on this machine, one thread.
 
+    Times are the training thread's CPU time (``time.thread_time``; torch runs forward,
+    backward and the hooks on it with one thread), the work the simulator gives a core: on a
+    shared machine the time other processes take the core is left out.
+
     Forward hooks time each parameter-owning module's end; post-accumulate-grad hooks time
     each gradient's readiness; medians over ``iterations`` after ``warmup``. Forward time
     outside those modules (activations, the tied logits) counts to the layer it follows.
@@ -93,7 +97,7 @@ def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: 
     ready: Dict[int, float] = {}
     handles = []
     def stamp(table: Dict[int, float], key: int) -> None:  # hooks must return None
-        table.setdefault(key, time.perf_counter())
+        table.setdefault(key, time.thread_time())
 
     for index, (_, module, params) in enumerate(owners):
         handles.append(module.register_forward_hook(lambda *_, index=index: stamp(ends, index)))
@@ -105,13 +109,13 @@ def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: 
             ends.clear()
             ready.clear()
             optimizer.zero_grad()
-            start = time.perf_counter()
+            start = time.thread_time()
             loss = F.cross_entropy(model(inputs), targets)
-            forward_end = time.perf_counter()
+            forward_end = time.thread_time()
             loss.backward()
-            backward_end = time.perf_counter()
+            backward_end = time.thread_time()
             optimizer.step()
-            step_end = time.perf_counter()
+            step_end = time.thread_time()
             if iteration < warmup:
                 continue
             forward, last = [], start
@@ -133,3 +137,21 @@ def measure(model_name: str, batch_size: int = 32, iterations: int = 5, warmup: 
         layers.append(Layer(name, statistics.median(sample[0][index] for sample in samples), tensors))
     return Profile(model_name, tuple(layers), statistics.median(s[2] for s in samples),
                    statistics.median(s[3] for s in samples))
+
+
+def scaled(profile: Profile, factor: float, backward: Optional[float] = None, step: Optional[float] = None) -> Profile:
+    """``profile`` with its forward times multiplied by ``factor``, its backward (and every
+    gradient's moment in it) by ``backward`` and its step by ``step`` (both default:
+    ``factor``): a machine that many times slower in each phase.
+
+    >>> from bytescheduler.sim.profile import Layer, Tensor
+    >>> p = Profile("p", (Layer("a", 0.1, (Tensor(4, 0.2),)),), 0.3, 0.05)
+    >>> round(scaled(p, 2.0).compute_s, 3), round(scaled(p, 1.0, 1.0, 3.0).compute_s, 3)
+    (0.9, 0.55)
+    """
+    backward = factor if backward is None else backward
+    step = factor if step is None else step
+    layers = tuple(replace(layer, forward_s=layer.forward_s * factor,
+                           tensors=tuple(replace(t, ready_s=t.ready_s * backward) for t in layer.tensors))
+                   for layer in profile.layers)
+    return Profile(profile.model, layers, profile.backward_s * backward, profile.step_s * step)
