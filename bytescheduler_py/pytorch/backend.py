@@ -93,7 +93,10 @@ class AllReduceBackend:
                 if len(views) > 1:
                     self._scatter(tensor, views, pieces)
             except BaseException as error:  # noqa: BLE001
-                done(error)
+                # Without its traceback: that would hold this frame, and through it the
+                # tensor and this callback, for as long as the scheduler keeps the error
+                # to raise it, and the Keeper would wait for them in vain.
+                done(error.with_traceback(None))
                 return
             done(None)
 
