@@ -8,7 +8,8 @@ A framework's trainee (:mod:`~bytescheduler.bench.torch_trainee`,
 
 - ``start``: the rank is ready (``pid``, ``time``);
 - ``sample`` every ``--sample-every`` steps: RSS, threads, open descriptors and sockets,
-  malloc's bytes in use and free and its arenas (:mod:`~bytescheduler.bench.procstats`), the adapter's mode (``scheduled``/``plain``),
+  malloc's bytes in use and free and its arenas (:mod:`~bytescheduler.bench.procstats`),
+  the adapter's mode (``scheduled``/``plain``),
   ``step`` the number of steps done;
   ``closed``: the same after ``close()``;
 - ``fault``: the rank is about to SIGKILL or SIGSTOP itself: the planned phase, the phase

@@ -8,8 +8,8 @@ the scheduled hook; ``horovod``: ScheduledOptimizer over Horovod; ``mxnet``: Sch
 with ``dist_sync``) a 2-rank job on 127.0.0.1 (:mod:`~bytescheduler.bench.jobs`) trains a small
 model for ``--steps`` steps with the adapter's defaults, the mode switch included, and every
 ``--sample-every`` steps each rank samples its RSS, threads, open file descriptors and open
-sockets, and (glibc) malloc's bytes in use and kept free (:mod:`~bytescheduler.bench.rank_loop`). Nothing in the caller's environment is
-changed for the job but what launching needs (``BYTESCHEDULER_*`` settings pass through);
+sockets, and (glibc) malloc's bytes in use and kept free (:mod:`~bytescheduler.bench.rank_loop`).
+Nothing in the caller's environment is changed for the job but what launching needs (``BYTESCHEDULER_*`` settings pass through);
 ``--schedule-only`` turns the mode switch off, so that every step takes the scheduled path
 (with it on, small models run mostly on the framework's own path, trying the schedule again
 every 200 to 3,200 steps).
@@ -158,7 +158,8 @@ def table(results: List[dict]) -> str:
         for rank, data in sorted(result["ranks"].items()):
             verdict = data["verdict"]
             if "first" not in verdict:
-                lines.append(f"| {result['adapter']} | {rank} | | | | | | | | | | | | no ({'; '.join(result['problems'])}) |")
+                empty = "| " * 11
+                lines.append(f"| {result['adapter']} | {rank} | {empty}no ({'; '.join(result['problems'])}) |")
                 continue
             per_step = data["seconds_per_step"]
             counts = [f"{verdict[c]['first']} -> {verdict[c]['last']}" + ("" if verdict[c]["min"] == verdict[c]["max"]
