@@ -317,6 +317,58 @@ def scenario_dies() -> None:
     report(scenario="dies", raised=False, step=step)
 
 
+def scenario_dies_enqueueing() -> None:
+    """Rank 1 is SIGKILLed while rank 0's launching thread keeps handing pieces to Horovod,
+    as the scheduler's dispatcher does: Horovod's background loop then dies and finalizes
+    the queued operations while the thread enqueues more. Rank 0 must learn the failure
+    and return (this hung in 5 of 13 tries before horovod_hold.py)."""
+    import signal
+    import threading
+
+    from bytescheduler.core.task import Operation, Piece, Task
+    from bytescheduler.pytorch.horovod import HorovodBackend
+
+    backend = HorovodBackend()
+    gradient = torch.zeros(1 << 16)
+    failed = threading.Event()
+    errors = []
+    in_flight = threading.Semaphore(48)
+
+    def done(error) -> None:
+        in_flight.release()
+        if error is not None and not failed.is_set():
+            errors.append(f"{type(error).__name__}: {error}"[:300])
+            failed.set()
+
+    def launch_until_refused() -> None:
+        # Like a dispatcher in the middle of a batch: it goes on launching after the first
+        # failure, until Horovod itself refuses new work (it has shut down).
+        number = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            in_flight.acquire()
+            task = Task(key=number % 64, numel=gradient.numel(), itemsize=4, priority=0, payload=gradient)
+            start = (number % 16) * 4096
+            try:
+                backend.launch(Operation([Piece(task, start, start + 4096)], lane=0, op_id=number), done)
+            except Exception as error:  # noqa: BLE001 - refused: Horovod has shut down
+                done(error)
+                return
+            number += 1
+
+    if hvd.rank() == 1:
+        delay = float(os.environ.get("DIES_AFTER", "0.5"))
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    started = time.monotonic()
+    launcher = threading.Thread(target=launch_until_refused, daemon=True)
+    launcher.start()
+    launcher.join(60)
+    report(scenario="dies_enqueueing", errors=errors, launcher_ended=not launcher.is_alive(),
+           seconds=time.monotonic() - started)
+    backend.close()
+    sys.exit(3)
+
+
 def scenario_bad() -> None:
     # (Horovod's options, ours)
     cases = {
@@ -480,6 +532,7 @@ SCENARIOS = {
     "tune": scenario_tune,
     "switch": scenario_switch,
     "dies": scenario_dies,
+    "dies_enqueueing": scenario_dies_enqueueing,
     "bad": scenario_bad,
     "settings": scenario_settings,
     "layout": scenario_layout,

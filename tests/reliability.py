@@ -65,8 +65,8 @@ def check_flat(result: dict, fixed: bool = False) -> None:
 
 
 CHAOS_TIMEOUT = 5.0  # the adapters' timeout= in the chaos tests
-# A peer killed during close(): ScheduledOptimizer's close() raises only after waiting 10 s for
-# gloo to let go of its tensors (ProcessGroups.release), whatever the timeout.
+# Slack past the timeout for a stalled peer's error on this loaded 2-core machine (seen up to
+# 13 s with a 5 s timeout); a killed peer's error must come within 2 s (tests/test_chaos.py).
 CHAOS_MARGIN = 8.0
 
 

@@ -294,6 +294,21 @@ def test_peer_death_rank0_raises_without_horovodrun_kill_all():
     _check_rank0_error(found[0])
 
 
+@pytest.mark.parametrize("dies_after", [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
+def test_peer_killed_while_pieces_are_enqueued_is_an_error_not_a_hang(dies_after):
+    """Horovod's background loop, dying, finalizes the queued operations under its process-set
+    lock while our launching thread enqueues more under the GIL: before horovod_hold.py each
+    could wait for the other forever (chaos trial 135). Without the fix 1 trial of 5 hung in
+    each of two runs (a stand-alone script of the same kind: 5 of 13), so these 8 catch a
+    regression most of the time, not always; with it none hung in 39 tries."""
+    codes, stdout, seconds = _launch_without_kill_all("dies_enqueueing", timeout=90,
+                                                      env={"DIES_AFTER": str(dies_after)})
+    assert codes == [3, -signal.SIGKILL], f"exit codes {codes} after {seconds:.0f} s\n{stdout[-4000:]}"
+    (result,) = results(stdout).values()
+    assert result["errors"] and "HorovodInternalError" in result["errors"][0], result
+    assert result["launcher_ended"], result
+
+
 def _check_rank0_error(result: dict) -> None:
     assert result["raised"], result
     assert (result["module"], result["type"]) == ("bytescheduler.core.errors", "CommunicationError"), result
@@ -305,7 +320,8 @@ def _check_rank0_error(result: dict) -> None:
     assert 0 <= result["elapsed"] < DIES_TIMEOUT, result
 
 
-def _launch_without_kill_all(scenario: str, timeout: float = TIMEOUT) -> Tuple[List[int], str, float]:
+def _launch_without_kill_all(scenario: str, timeout: float = TIMEOUT,
+                             env: Dict[str, str] = None) -> Tuple[List[int], str, float]:
     """Start 2 ranks as horovodrun --gloo does (rendezvous server, HOROVOD_* variables), minus kill-all."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
@@ -318,8 +334,8 @@ def _launch_without_kill_all(scenario: str, timeout: float = TIMEOUT) -> Tuple[L
     try:
         server.init(plan)
         for slot in plan:
-            env = _env()
-            env.update({
+            rank_env = dict(_env(), **(env or {}))
+            rank_env.update({
                 "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
                 "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
                 "HOROVOD_CONTROLLER": "gloo",
@@ -334,7 +350,7 @@ def _launch_without_kill_all(scenario: str, timeout: float = TIMEOUT) -> Tuple[L
                 "HOROVOD_CROSS_SIZE": str(slot.cross_size),
             })
             processes.append(subprocess.Popen(
-                [sys.executable, WORKER, scenario], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                [sys.executable, WORKER, scenario], cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True, start_new_session=True,
             ))
         outputs = []

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from bytescheduler.pytorch.fusion import FusionBuffers
 from bytescheduler.pytorch.keeper import Keeper
 from tests.distributed import free_port, run_ranks
 
@@ -51,6 +52,20 @@ def _watch_while_work_lives(rank, world_size):
     del work
     idle_after = keeper.wait_idle(5.0)
     return idle_while_held, idle_after
+
+
+def test_fusion_buffers_are_reused_in_power_of_two_sizes():
+    cpu = torch.device("cpu")
+    buffers = FusionBuffers()
+    first = buffers.take(5000, torch.float32, cpu)
+    assert first.numel() == 5000 and first._base.numel() == 8192 and first.storage_offset() == 0
+    buffers.give_back(first)
+    second = buffers.take(6000, torch.float32, cpu)  # the same size class: the same memory again
+    assert second.data_ptr() == first.data_ptr() and second.numel() == 6000
+    third = buffers.take(6000, torch.float32, cpu)  # that one is taken: a new buffer
+    assert third.data_ptr() != second.data_ptr()
+    other = buffers.take(6000, torch.float64, cpu)  # never another dtype's buffer
+    assert other.dtype == torch.float64 and other.data_ptr() not in (second.data_ptr(), third.data_ptr())
 
 
 def test_keeper_waits_until_the_work_lets_go_of_a_tensor():

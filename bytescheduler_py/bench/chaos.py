@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .jobs import ADAPTERS, POLL_SECONDS, REFERENCES, Job, default_mxnet_python, sigterm_unwinds, wait_until_closed
 from .procstats import alive
-from .rank_loop import read_report
+from .rank_loop import DUMP_SIGNAL, read_report
 
 KILL_PHASES = ("forward", "backward", "step", "close")
 STOP_PHASES = ("forward", "backward", "step")
@@ -169,6 +169,7 @@ class Trial:
                     break
                 time.sleep(POLL_SECONDS)
         finally:
+            self._dump_stacks()
             helpers = [process.name for process in self.job.processes if process.helper]
             left = [name for name in self.job.kill() if name not in helpers]
         self._look()
@@ -191,6 +192,13 @@ class Trial:
             "ports_left": sorted(ports_left),
             "started": self.job.started,
         }
+
+    def _dump_stacks(self) -> None:
+        """Ranks still running when the tool gives up write their threads' stacks to their
+        logs (where they were blocked) before the kill."""
+        running = [pid for pid in self.rank_pids.values() if alive(pid) and self.job.signal(pid, DUMP_SIGNAL)]
+        if running:
+            time.sleep(1.0)
 
     def _launcher_says(self) -> List[str]:
         """MXNet: the lines of the launcher's own messages."""

@@ -80,6 +80,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rank_loop.add_arguments(parser)
     args = parser.parse_args(argv)
+    rank_loop.dump_stacks_on_signal()
     trainee = MXNetTrainee(args)
     status = rank_loop.run(trainee, args)
     if status != 0:

@@ -15,8 +15,10 @@ True
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterable, List, Set
 
@@ -55,6 +57,54 @@ def resources(pid: str = "self") -> Resources:
         fds += 1
         sockets += target.startswith("socket:")
     return Resources(rss_kib=fields["VmRSS"], threads=fields["Threads"], fds=fds, sockets=sockets)
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (malloc.h, glibc >= 2.33): size_t fields, summed over every arena.
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def allocator() -> Dict[str, int]:
+    """What glibc's malloc holds in this process, over all its arenas (KiB), and how many
+    arenas it made; empty where there is no glibc ``mallinfo2`` (musl, macOS, glibc < 2.33).
+
+    ``malloc_in_use_kib`` (blocks handed out and not freed, mmapped ones included) grows with
+    a leak; ``malloc_free_kib`` (memory the allocator keeps but nobody uses) grows when
+    freed memory is not reused or returned: fragmentation, or an allocator still settling.
+
+    >>> stats = allocator()
+    >>> not stats or stats["malloc_in_use_kib"] > 0
+    True
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        call = libc.mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    call.restype = _MallInfo2
+    info = call()
+    return {"malloc_in_use_kib": (info.uordblks + info.hblkhd) // 1024, "malloc_free_kib": info.fordblks // 1024,
+            "malloc_arenas": _arenas(libc)}
+
+
+def _arenas(libc: ctypes.CDLL) -> int:
+    """The number of malloc arenas (``<heap nr=`` entries of ``malloc_info``); -1 if unknown."""
+    try:
+        with tempfile.TemporaryFile("w+") as handle:
+            libc.fdopen.restype = ctypes.c_void_p
+            libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
+            stream = libc.fdopen(os.dup(handle.fileno()), b"w")
+            if not stream:
+                return -1
+            libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            libc.fclose.argtypes = [ctypes.c_void_p]
+            libc.malloc_info(0, stream)
+            libc.fclose(stream)
+            handle.seek(0)
+            return handle.read().count("<heap nr=")
+    except (OSError, AttributeError):
+        return -1
 
 
 def socket_inodes(pid: int) -> Set[str]:

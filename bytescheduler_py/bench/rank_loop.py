@@ -7,8 +7,9 @@ A framework's trainee (:mod:`~bytescheduler.bench.torch_trainee`,
 (``--report``, ``{rank}`` replaced), one object per event:
 
 - ``start``: the rank is ready (``pid``, ``time``);
-- ``sample`` every ``--sample-every`` steps: RSS, threads, open descriptors and sockets
-  (:mod:`~bytescheduler.bench.procstats`), the adapter's mode (``scheduled``/``plain``),
+- ``sample`` every ``--sample-every`` steps: RSS, threads, open descriptors and sockets,
+  malloc's bytes in use and free and its arenas (:mod:`~bytescheduler.bench.procstats`),
+  the adapter's mode (``scheduled``/``plain``),
   ``step`` the number of steps done;
   ``closed``: the same after ``close()``;
 - ``fault``: the rank is about to SIGKILL or SIGSTOP itself: the planned phase, the phase
@@ -33,6 +34,7 @@ Times are ``time.time()``, so the ranks' records compare on one machine.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import re
@@ -43,7 +45,7 @@ import time
 from typing import Callable, Dict, List, Optional, Protocol
 
 from ..core import errors
-from .procstats import resources
+from .procstats import allocator, resources
 
 PHASES = ("forward", "backward", "step", "close")
 FAULTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
@@ -54,6 +56,8 @@ CLEAR_ERRORS = tuple(getattr(errors, name) for name in ("CommunicationError", "R
 # RuntimeError that names it: "Got the following error when running the callback: <Type>: ...".
 _CALLBACK_ERROR = re.compile(r"error when running the callback: (\w+):")
 EXIT_ERROR = 3  # a rank that caught an error in training exits with this status
+# The tools send it to a rank that is still running when they give up on it, before the kill.
+DUMP_SIGNAL = signal.SIGUSR1
 
 
 class Trainee(Protocol):
@@ -73,6 +77,16 @@ class Trainee(Protocol):
         """After an error: stop the adapter without waiting for pending work (``close(wait=False)``)."""
 
     def mode(self) -> Optional[str]: ...
+
+
+def dump_stacks_on_signal() -> None:
+    """From now on :data:`DUMP_SIGNAL` writes every thread's Python stack to stderr (the
+    rank's log): where a rank that never returned was blocked, even inside a C++ call that
+    holds the interpreter lock (:mod:`faulthandler` needs no lock). Trainees call it first.
+
+    >>> dump_stacks_on_signal()   # doctest: +SKIP
+    """
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +219,8 @@ class Loop:
 
     def sample(self, event: str = "sample") -> None:
         """Write what this process holds now; ``step`` counts the steps done."""
-        self.reporter.write(event, step=self.steps_done, mode=self.trainee.mode(), **resources().as_dict())
+        self.reporter.write(event, step=self.steps_done, mode=self.trainee.mode(), **resources().as_dict(),
+                            **allocator())
 
     def run(self) -> int:
         """Train, close, report; 0 when everything returned, :data:`EXIT_ERROR` when training raised."""

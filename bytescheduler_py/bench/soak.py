@@ -8,8 +8,8 @@ the scheduled hook; ``horovod``: ScheduledOptimizer over Horovod; ``mxnet``: Sch
 with ``dist_sync``) a 2-rank job on 127.0.0.1 (:mod:`~bytescheduler.bench.jobs`) trains a small
 model for ``--steps`` steps with the adapter's defaults, the mode switch included, and every
 ``--sample-every`` steps each rank samples its RSS, threads, open file descriptors and open
-sockets (:mod:`~bytescheduler.bench.rank_loop`). Nothing in the caller's environment is
-changed for the job but what launching needs (``BYTESCHEDULER_*`` settings pass through);
+sockets, and (glibc) malloc's bytes in use and kept free (:mod:`~bytescheduler.bench.rank_loop`).
+Nothing in the caller's environment is changed for the job but what launching needs (``BYTESCHEDULER_*`` settings pass through);
 ``--schedule-only`` turns the mode switch off, so that every step takes the scheduled path
 (with it on, small models run mostly on the framework's own path, trying the schedule again
 every 200 to 3,200 steps).
@@ -83,6 +83,10 @@ def judge(samples: List[dict], warmup: int, rss_mib: float = DEFAULT_RSS_MIB) ->
         "rss_max_growth_mib": growth,
         "rss_mib_per_1000_steps": _slope_mib_per_1000(after),
     }
+    if "malloc_in_use_kib" in first:  # glibc: tells a leak (in use) from memory kept free
+        verdict["malloc_mib"] = {key: (first[f"malloc_{key}_kib"] / 1024, last[f"malloc_{key}_kib"] / 1024)
+                                 for key in ("in_use", "free")}
+        verdict["malloc_arenas"] = (first["malloc_arenas"], last["malloc_arenas"])
     problems = []
     if growth > rss_mib:
         problems.append(f"RSS grew {growth:.1f} MiB after warm-up (allowed {rss_mib:g} MiB)")
@@ -148,22 +152,27 @@ def soak_adapter(adapter: str, args: argparse.Namespace, work_dir: str) -> dict:
 def table(results: List[dict]) -> str:
     """The markdown table: per adapter and rank, first sample after warm-up vs last, max growth."""
     lines = ["| adapter | rank | steps | s/step | RSS MiB first -> last | max RSS growth MiB | MiB/1k steps "
-             "| threads | fds | sockets | steps per path | flat |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| malloc in use MiB | malloc free MiB | threads | fds | sockets | steps per path | flat |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for rank, data in sorted(result["ranks"].items()):
             verdict = data["verdict"]
             if "first" not in verdict:
-                lines.append(f"| {result['adapter']} | {rank} | | | | | | | | | | no ({'; '.join(result['problems'])}) |")
+                empty = "| " * 11
+                lines.append(f"| {result['adapter']} | {rank} | {empty}no ({'; '.join(result['problems'])}) |")
                 continue
             per_step = data["seconds_per_step"]
             counts = [f"{verdict[c]['first']} -> {verdict[c]['last']}" + ("" if verdict[c]["min"] == verdict[c]["max"]
                       else f" ({verdict[c]['min']}-{verdict[c]['max']})") for c in COUNTS]
+            malloc = verdict.get("malloc_mib", {})
+            in_use, free = (f"{malloc[key][0]:.1f} -> {malloc[key][1]:.1f}" if key in malloc else ""
+                            for key in ("in_use", "free"))
             lines.append(
                 f"| {result['adapter']} | {rank} | {verdict['last']['step']} | "
                 f"{'' if per_step is None else f'{per_step:.4f}'} | "
                 f"{verdict['rss_first_mib']:.1f} -> {verdict['rss_last_mib']:.1f} | {verdict['rss_max_growth_mib']:.1f} | "
-                f"{verdict['rss_mib_per_1000_steps']:+.2f} | {' | '.join(counts)} | {_modes(data['modes'])} | "
+                f"{verdict['rss_mib_per_1000_steps']:+.2f} | {in_use} | {free} | {' | '.join(counts)} | "
+                f"{_modes(data['modes'])} | "
                 f"{'yes' if result['flat'] else 'no'} |")
     return "\n".join(lines)
 

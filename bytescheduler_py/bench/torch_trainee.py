@@ -128,6 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="gloo: rank 0's port on 127.0.0.1")
     rank_loop.add_arguments(parser)
     args = parser.parse_args(argv)
+    rank_loop.dump_stacks_on_signal()
     torch.set_num_threads(1)
     leave = _join(args)
     trainee = TorchTrainee(args)

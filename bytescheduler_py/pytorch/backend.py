@@ -4,7 +4,8 @@
 :class:`~bytescheduler.core.backend.Backend` over the lanes of
 :class:`~bytescheduler.pytorch.groups.ProcessGroups`: a single piece is reduced in place
 (a ``narrow`` view of the flat gradient); several fused pieces are copied into one buffer
-and back. Completion comes from the collective's future, on gloo's thread.
+(reused: :mod:`~bytescheduler.pytorch.fusion`) and back. Completion comes from the
+collective's future, on gloo's thread.
 
 CUDA tensors (NCCL) are supported by design but untested here (no GPU on our machines):
 each launch waits on the event recorded when the tensor became ready, and completion is
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..core.backend import Done
 from ..core.task import Operation
+from .fusion import FusionBuffers
 from .groups import NUM_LANES, ProcessGroups
 
 
@@ -73,6 +75,7 @@ class AllReduceBackend:
     def __init__(self, groups: ProcessGroups) -> None:
         self._lanes = groups.lanes
         self._keeper = groups.keeper
+        self._fusion = FusionBuffers()
         self._cuda: Dict[int, _CudaCompletion] = {}
         self._cuda_lock = threading.Lock()
 
@@ -83,17 +86,26 @@ class AllReduceBackend:
         if first.is_cuda:
             self._launch_cuda(op, views, done)
             return
-        tensor = first if len(views) == 1 else torch.cat(views)
+        fused = len(views) > 1
+        if fused:
+            tensor = self._fusion.take(sum(v.numel() for v in views), first.dtype, first.device)
+            torch.cat(views, out=tensor)
+        else:
+            tensor = first
         work = dist.all_reduce(tensor, group=self._lanes[op.lane], async_op=True)
         self._keeper.watch(tensor)
 
         def finish(future: torch.futures.Future) -> None:
             try:
                 future.wait()
-                if len(views) > 1:
+                if fused:
                     self._scatter(tensor, views, pieces)
+                    self._fusion.give_back(tensor)
             except BaseException as error:  # noqa: BLE001
-                done(error)
+                # Without its traceback: that would hold this frame, and through it the
+                # tensor and this callback, for as long as the scheduler keeps the error
+                # to raise it, and the Keeper would wait for them in vain.
+                done(error.with_traceback(None))
                 return
             done(None)
 

@@ -46,6 +46,7 @@ from .optimizer import wrap_optimizer
 from .order import frame_tensors
 from .layout import param_layout
 from .errors import check_arguments
+from .horovod_hold import Held
 from .overlap import OverlapEngine
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
@@ -84,7 +85,7 @@ class HorovodBackend:
     def __init__(self, op: Any = None) -> None:
         self._op = hvd.Average if op is None else op
         self.name = f"bytescheduler.{next(_backend_ids)}"
-        self._incoming: "queue.SimpleQueue[Optional[Tuple[int, Done]]]" = queue.SimpleQueue()
+        self._incoming: "queue.SimpleQueue[Optional[Tuple[int, Done, Held]]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._poll, name="bytescheduler-horovod-poll", daemon=True)
         self._thread.start()
 
@@ -93,14 +94,15 @@ class HorovodBackend:
             raise ValueError("the Horovod backend takes one piece per operation (merge=False)")
         piece = op.pieces[0]
         view = piece.task.payload.narrow(0, piece.start, piece.stop - piece.start)
-        handle = hvd.allreduce_async_(view, name=f"{self.name}.{piece.task.key}.{piece.start}", op=self._op)
-        self._incoming.put((handle, done))
+        held = Held(view)  # see horovod_hold.py: Horovod must never need the GIL to let go of it
+        handle = hvd.allreduce_async_(held.tensor, name=f"{self.name}.{piece.task.key}.{piece.start}", op=self._op)
+        self._incoming.put((handle, done, held))
 
     def _poll(self) -> None:
         """Learn completions in launch order: Horovod's one background thread runs the
         operations every rank submitted in the same order, so each wake-up polls only the
         oldest one (and those after it once it is done), not every operation in flight."""
-        waiting: Deque[Tuple[int, Done]] = deque()
+        waiting: Deque[Tuple[int, Done, Held]] = deque()
         pause = 1e-5
         while True:
             try:
@@ -114,13 +116,14 @@ class HorovodBackend:
                 pass
             finished = 0
             while waiting and hvd.poll(waiting[0][0]):
-                handle, done = waiting.popleft()
+                handle, done, held = waiting.popleft()
                 finished += 1
                 try:
                     hvd.synchronize(handle)
                 except BaseException as error:  # noqa: BLE001
                     done(error)
                     continue
+                held.release()
                 done(None)
             # Poll fast while operations finish, back off to 1 ms while they are slow.
             pause = 1e-5 if finished else min(pause * 2, 1e-3)
@@ -132,9 +135,10 @@ class HorovodBackend:
         self._thread.join(timeout=10)
 
 
-def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str) -> Any:
+def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str, held: Held) -> Any:
     """Wait for a Horovod handle; its result (Horovod's ``synchronize``), or False if
-    ``cancel`` was set.
+    ``cancel`` was set. ``held`` holds the operation's tensors: let go once it succeeded
+    (see :mod:`~bytescheduler.pytorch.horovod_hold`).
 
     For the first :data:`_SPIN_SECONDS` it polls between ``sched_yield`` calls, as
     Horovod's own ``synchronize`` does: the core never idles, so the completion is seen at
@@ -145,6 +149,14 @@ def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, wh
     Raises Horovod's error if the operation failed (e.g. a peer died), or
     :class:`CommunicationTimeout` after ``timeout`` seconds.
     """
+    result = _poll_until_done(handle, cancel, timeout, what)
+    if result is not False:
+        held.release()
+    return result
+
+
+def _poll_until_done(handle: int, cancel: Optional[threading.Event], timeout: float, what: str) -> Any:
+    """The polling of :func:`_wait_for` (which see)."""
     start = time.monotonic()
     spin_until, deadline = start + _SPIN_SECONDS, start + timeout
     pause = 1e-5
@@ -177,7 +189,7 @@ class HorovodOrderChannel:
         self._prefix = prefix
         self._timeout = timeout
         self._sequence = 0
-        self._sent: Deque[Tuple[int, torch.Tensor]] = deque()  # leader: broadcasts not yet finished
+        self._sent: Deque[Tuple[int, Held]] = deque()  # leader: broadcasts not yet finished
         self._buffer = torch.zeros(_ORDER_WORDS, dtype=torch.int64)
         self._epochs = itertools.count()
 
@@ -196,20 +208,26 @@ class HorovodOrderChannel:
     def publish(self, message: Sequence[int]) -> None:
         """Broadcast ``message`` (leader only); returns without waiting for the followers."""
         while self._sent and hvd.poll(self._sent[0][0]):
-            hvd.synchronize(self._sent.popleft()[0])  # raises if the broadcast failed
+            self._finish_oldest()  # raises if the broadcast failed
         for frame in frame_tensors(message, _ORDER_WORDS):
             if len(self._sent) >= _ORDER_NAMES:  # its name is about to be reused
-                _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
-            self._sent.append((hvd.broadcast_async_(frame, root_rank=0, name=self._name()), frame))
+                self._finish_oldest()
+            held = Held(frame)
+            self._sent.append((hvd.broadcast_async_(held.tensor, root_rank=0, name=self._name()), held))
+
+    def _finish_oldest(self) -> None:
+        handle, held = self._sent.popleft()
+        _wait_for(handle, None, self._timeout, "an ordering broadcast", held)
 
     def receive(self, cancel: threading.Event) -> Optional[List[int]]:
         """Receive rank 0's next message (followers only); None once ``cancel`` is set."""
         message: List[int] = []
         while True:
             frame = self._buffer
-            handle = hvd.broadcast_async_(frame, root_rank=0, name=self._name())
+            held = Held(frame)
+            handle = hvd.broadcast_async_(held.tensor, root_rank=0, name=self._name())
             # No deadline here: the scheduler fails a follower whose tensors wait too long.
-            if _wait_for(handle, cancel, float("inf"), "receiving rank 0's order") is False:
+            if _wait_for(handle, cancel, float("inf"), "receiving rank 0's order", held) is False:
                 return None
             if not read_frame(frame.tolist(), message):
                 return message
@@ -217,7 +235,7 @@ class HorovodOrderChannel:
     def close(self) -> None:
         """Wait for the leader's last broadcasts (after a clean stop, every follower takes them)."""
         while self._sent:
-            _wait_for(self._sent.popleft()[0], None, self._timeout, "an ordering broadcast")
+            self._finish_oldest()
 
 
 class HorovodReducer:
@@ -231,11 +249,15 @@ class HorovodReducer:
         self._timeout = timeout
 
     def start(self, items: Sequence[Tuple[int, torch.Tensor]]) -> Any:
-        return [hvd.allreduce_async_(grad, name=f"{self._prefix}.{key}", op=hvd.Average) for key, grad in items]
+        started = []
+        for key, grad in items:
+            held = Held(grad)
+            started.append((held, hvd.allreduce_async_(held.tensor, name=f"{self._prefix}.{key}", op=hvd.Average)))
+        return started
 
-    def wait(self, handles: List[Any], assign: Any = None) -> None:  # Horovod averages in place
-        for handle in handles:
-            _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path")
+    def wait(self, started: List[Tuple[Held, int]], assign: Any = None) -> None:  # Horovod averages in place
+        for held, handle in started:
+            _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path", held)
 
 
 def _plain_setup(prefix: str, timeout: float, start_plain: bool) -> PlainSetup:
@@ -243,8 +265,9 @@ def _plain_setup(prefix: str, timeout: float, start_plain: bool) -> PlainSetup:
     agree (waited for with a deadline, as every operation of ours); ``start_plain``: start on it."""
 
     def agree(proposal: int, veto: bool) -> int:
-        handle = hvd.allgather_async(torch.tensor([[proposal, int(veto)]], dtype=torch.int64), name=f"{prefix}.mode")
-        votes = _wait_for(handle, None, timeout, "the mode switch's agreement")
+        held = Held(torch.tensor([[proposal, int(veto)]], dtype=torch.int64))
+        handle = hvd.allgather_async(held.tensor, name=f"{prefix}.mode")
+        votes = _wait_for(handle, None, timeout, "the mode switch's agreement", held)
         return STOP if int(votes[:, 1].max()) else int(votes[0, 0])
 
     return PlainSetup(HorovodReducer(prefix, timeout), agree, first_bytes=0, bucket_bytes=0, start_plain=start_plain)
