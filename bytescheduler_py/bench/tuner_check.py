@@ -35,7 +35,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..core.config import format_size, parse_size
 from ..core.plan import Plan, read_plan
 from .models import MODELS
-from .runner import JobFailed, _free_port, _Process, _run_processes, _show_logs
+from ..launcher import free_port
+from .runner import JobFailed, Process, run_processes, show_logs
 from .testbed import make_testbed, pin_cores
 
 WORLD = 2
@@ -153,7 +154,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 testbed.cores = pin_cores(WORLD)
                 print(f"bytescheduler tuner-check: {args.model}, {len(settings)} settings, "
                       f"network: {testbed.description}", file=sys.stderr)
-                port = _free_port()
+                port = free_port()
                 processes = []
                 for rank in range(WORLD):
                     command = [sys.executable, "-m", "bytescheduler.bench.tuner_worker", "--rank", str(rank),
@@ -164,10 +165,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                "--tuner-steps", str(args.tuner_steps),
                                "--output", os.path.join(work_dir, "rank{rank}.json")]
                     env = dict(os.environ, **testbed.env(rank), BYTESCHEDULER_TIMELINE="", BYTESCHEDULER_PLAN="")
-                    processes.append(_Process(f"rank{rank}", testbed.wrap(rank, command), env))
-                _run_processes("tuner", processes, work_dir, time.monotonic() + args.deadline)
+                    processes.append(Process(f"rank{rank}", testbed.wrap(rank, command), env))
+                run_processes("tuner", processes, work_dir, time.monotonic() + args.deadline)
         except JobFailed as error:
-            _show_logs(error.log_dir)
+            show_logs(error.log_dir)
             print(f"tuner-check: {error}", file=sys.stderr)
             return 1
         with open(os.path.join(work_dir, "rank0.json")) as handle:
