@@ -79,16 +79,18 @@ class ModeChooser:
         settle: steps after each switch that are not timed (the switch drains the pipeline).
         trial: timed steps per trial phase, at least (at most ``max_trial``).
         pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
-            difference larger than ``clear`` decides at once.
+            difference larger than ``clear`` decides at once if it is also larger than the
+            noise (otherwise the next pair is timed, and the samples of all pairs pool).
         hold: steps the faster path runs before the slower one is tried again; doubled each
             time the re-trial confirms the choice, up to ``max_hold``. A first choice by a
-            difference larger than ``clear`` holds ``clear_hold`` times as long (a re-trial
-            of a clearly slower path costs the most, and its verdict is least in doubt).
+            difference larger than ``clear`` and than the noise holds ``clear_hold`` times as
+            long (a re-trial of a clearly slower path costs the most, and its verdict is least
+            in doubt).
         margin: the scheduled path is kept only when its median step is faster than the
             plain path's by more than this fraction, and by more than the measured noise
             (two and a half standard errors of the medians): ties, and differences the
             samples cannot tell apart, go to the cheaper, plain path.
-        clear: a difference this large decides after one trial pair.
+        clear: a difference this large (and beyond the noise) decides after one trial pair.
         start: :data:`SCHEDULED` (times both paths first) or :data:`PLAIN`: start with a hold
             of the plain path, as if it had been chosen (a plan's advice, ``start_plain``);
             it counts as the first choice.
@@ -222,15 +224,25 @@ class ModeChooser:
         if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
         scheduled, plain = _median(samples[SCHEDULED]), _median(samples[PLAIN])
-        clear = abs(scheduled - plain) >= self.clear * max(scheduled, plain)
+        winner, told_apart = self._verdict(samples)
+        # A large difference decides at once, and holds longer, only when the samples tell
+        # it apart from the noise; otherwise more pairs are timed (their samples pool).
+        clear = told_apart and abs(scheduled - plain) >= self.clear * max(scheduled, plain)
         if self._pairs_run < self.pairs and not clear:
             return CONTINUE
-        return encode(_CHOICE[self._faster(samples)], CLEAR if clear else 0)
+        return encode(_CHOICE[winner], CLEAR if clear else 0)
 
     def _faster(self, samples: Dict[str, List[float]]) -> str:
+        return self._verdict(samples)[0]
+
+    def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool]:
+        """The faster path (ties and differences within the noise: plain), and whether its
+        lead is larger than the margin and the noise (False: a tie, or samples too noisy)."""
         scheduled, plain = _median(samples[SCHEDULED]), _median(samples[PLAIN])
         margin = max(self.margin, 2.5 * (_relative_error(samples[SCHEDULED]) + _relative_error(samples[PLAIN])) / 2)
-        return SCHEDULED if scheduled < plain * (1.0 - margin) else PLAIN
+        if scheduled < plain * (1.0 - margin):
+            return SCHEDULED, True
+        return PLAIN, plain < scheduled * (1.0 - margin)
 
 
 def new_chooser(start_plain: bool = False) -> ModeChooser:
