@@ -1,6 +1,6 @@
 """``bytescheduler bench``: measure every system on a (bandwidth-limited) 2-rank testbed.
 
-    bytescheduler bench --quick                       # loopback, small model, torch only, under 2 minutes
+    bytescheduler bench --quick                       # loopback, small model, torch only, about 2 minutes
     bytescheduler bench --bandwidth 1gbit --model vgg --rounds 10 --iters 3
     bytescheduler bench --bandwidth 2gbit --systems hvd hvd-scheduled mxnet mxnet-scheduled --out results/2gbit
 
@@ -349,12 +349,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--out", default="bench-results", help="folder for results, tables and charts")
     parser.add_argument("--quick", action="store_true",
                         help="loopback, small model, few rounds, torch systems only: the README's demo "
-                        "(under 2 minutes)")
+                        "(about 2 minutes)")
     args = parser.parse_args(argv)
     if args.quick:
         args.bandwidth, args.model, args.batch_size = "none", "vgg-small", 16
-        # 12 blocks: with 4, runs of the same code moved by +-5% on a shared machine.
-        args.warmup, args.iters, args.rounds = 3, 10, 12
+        # 16 blocks: with 4, runs of the same code moved by +-5% on a shared machine, and
+        # with 12 a ratio's median still had ~2.5% standard error (iterations spread ~10%).
+        args.warmup, args.iters, args.rounds = 3, 10, 16
     started = time.monotonic()
     systems, left_out = choose_systems(args)
     args.systems = systems
