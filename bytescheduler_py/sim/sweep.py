@@ -142,8 +142,9 @@ def effective_rate(sweep: Sweep, ranks: int, target_seconds: float, low: float =
 
 
 
-def _table(best: Dict[Tuple[int, str], Prediction], paper: Optional[Dict[int, Tuple[float, float, float]]]) -> str:
-    header = "| ranks | bandwidth | DDP s/iter | best setting | scheduled s/iter | predicted speedup |"
+def _table(best: Dict[Tuple[int, str], Prediction], paper: Optional[Dict[int, Tuple[float, float, float]]],
+           framework: str = "ddp") -> str:
+    header = f"| ranks | bandwidth | {framework} s/iter | best setting | scheduled s/iter | predicted speedup |"
     rule = "|---|---|---|---|---|---|"
     if paper is not None:
         header += " paper's speedup | rate of the paper's baseline | predicted speedup there |"
@@ -225,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     paper = compare_with_paper(sweep, args.model, partitions, credits) if args.compare_paper else None
     print(f"Profile {profile.model}, {args.system} against {FRAMEWORK_PATH[args.system]}, "
           f"{len(partitions) * len(credits)} setting(s) per cluster; the best of each:\n")
-    print(_table(best, paper))
+    print(_table(best, paper, FRAMEWORK_PATH[args.system]))
     if args.compare_paper:
         print(f"\nThe paper: {REPORTED_SETUP} (bytescheduler/docs/mxnet_ps_rdma_*_sync.png, branch bytescheduler "
               "of github.com/bytedance/byteps).")
