@@ -81,3 +81,21 @@ def test_paper_comparison_needs_a_paper_model_and_adds_its_columns(tmp_path, cap
     paper = json.loads(out.read_text())["paper"]
     assert set(paper) == {"8", "16", "32", "64"}
     assert paper["16"]["reported_speedup"] == pytest.approx(2934 / 2535)
+
+
+def test_the_parameter_servers_default_partition_follows_the_servers_in_every_cluster():
+    # No --partition: each cluster gets the adapter's own default, which for ScheduledKVStore
+    # depends on the number of servers (one per rank, or --servers).
+    from bytescheduler.core.config import server_grain_bytes
+
+    profile = Profile("big", (Layer("a", 0.01, (Tensor(3 * MiB, 0.1),)),), backward_s=0.1, step_s=0.0)
+    rows = Sweep(profile, "ps-scheduled", latency=0.0).run([2, 32], ["10gbit"])
+    assert [(row.ranks, row.partition_bytes, row.credit_bytes) for row in rows] == [
+        (2, 4 * MiB, 64 * MiB), (32, 256 * 1024, 64 * MiB)]
+    assert server_grain_bytes(32) == 256 * 1024
+    fixed = Sweep(profile, "ps-scheduled", latency=0.0, servers=8)
+    assert fixed.network(1e9).servers == 8
+    assert fixed.settings(32, [None, MiB], [None]) == [(MiB, 64 * MiB), (MiB, 64 * MiB)]
+    # the all-reduce systems do not depend on servers
+    assert Sweep(profile, "scheduled").settings(2, [None], [None]) == Sweep(profile, "scheduled").settings(
+        64, [None], [None])

@@ -280,6 +280,31 @@ class SchedulerConfig:
                        credit_bytes=plan.credit_bytes, start_plain=not plan.schedule)
 
 
+def server_grain_bytes(servers: int, credit_bytes: int = 64 * 1024**2) -> int:
+    """ScheduledKVStore's default partition (and server grain) for ``servers`` parameter servers.
+
+    A sub-key below MXNet's big-array bound (1,000,000 elements: any grain up to 2 MiB of
+    float32) lives whole on one server, chosen by MXNet's key hash, so under a credit of
+    ``credit_bytes`` about ``credit_bytes / grain`` sub-keys are in flight, a few per server:
+    with too few, some servers' links idle while others queue; each sub-key also costs a
+    request. The grain is the largest power of two that keeps eight per server in flight,
+    4 MiB at most (the size measured best on 2 servers; a 4 MiB sub-key is above the bound
+    and MXNet spreads it over every server) and 256 KiB at least (docs/simulator.md, "The
+    grain and the number of servers").
+
+    >>> [server_grain_bytes(n) // 1024 for n in (1, 2, 4, 8, 16, 32, 64, 256)]
+    [4096, 4096, 2048, 1024, 512, 256, 256, 256]
+    """
+    if servers < 1:
+        raise ValueError(f"servers must be at least 1, not {servers}")
+    share = max(1, credit_bytes // (SUBKEYS_PER_SERVER * servers))
+    return max(256 * 1024, min(4 * 1024**2, 1 << (share.bit_length() - 1)))
+
+
+# Sub-keys in flight per parameter server under the credit (server_grain_bytes).
+SUBKEYS_PER_SERVER = 8
+
+
 _PARSERS = {
     "partition_bytes": parse_size,
     "credit_bytes": parse_size,

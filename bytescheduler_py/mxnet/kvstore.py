@@ -42,13 +42,15 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
+from dataclasses import replace
 from typing import Any, Callable, List, Optional
 
 import mxnet as mx
 
 from ..core.agreement import from_rank_0
-from ..core.config import SchedulerConfig, Size, parse_bool, parse_size
+from ..core.config import SchedulerConfig, Size, parse_bool, parse_size, server_grain_bytes
 from ..core.errors import ByteSchedulerError, ErrorLatch
 from ..core.modes import ModeDriver
 from ..core.scheduler import Scheduler
@@ -58,7 +60,7 @@ from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_
 from .overlap import ForwardOverlap
 from .plain import StoreModes
 
-__all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "KVSTORE_DEFAULTS"]
+__all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "KVSTORE_DEFAULTS", "num_servers", "store_defaults"]
 
 log = logging.getLogger("bytescheduler.mxnet")
 
@@ -66,7 +68,31 @@ log = logging.getLogger("bytescheduler.mxnet")
 # server needs a larger credit than an all-reduce to keep the link busy: 64 MiB measured 1.04x
 # of dist_sync at 1 Gbit/s and 1.00x at 2 Gbit/s, against 1.02x and 0.93x with 16 MiB.
 # Rank 0 also times MXNet's own calls against the schedule and runs the faster (plain.py).
+# The partition (and so the grain) follows the number of servers: server_grain_bytes, 4 MiB
+# on 1-2 servers.
 KVSTORE_DEFAULTS = SchedulerConfig(credit_bytes=64 * 1024**2, adaptive=True)
+
+
+def num_servers(environ: Any = None) -> int:
+    """The job's number of parameter servers, from ``DMLC_NUM_SERVER`` (ps-lite's launchers set
+    it in every process); 1 when unset."""
+    value = (os.environ if environ is None else environ).get("DMLC_NUM_SERVER", "").strip()
+    if not value:
+        return 1
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"DMLC_NUM_SERVER={value!r} is not a number of servers (a positive integer); "
+                         "fix the job's launcher")
+    return count
+
+
+def store_defaults(servers: int) -> SchedulerConfig:
+    """The store's defaults with ``servers`` servers: :data:`KVSTORE_DEFAULTS` and a partition
+    (the grain, unless ``grain_bytes`` is given) of :func:`server_grain_bytes`."""
+    return replace(KVSTORE_DEFAULTS, partition_bytes=server_grain_bytes(servers, KVSTORE_DEFAULTS.credit_bytes))
 
 KNOWN_TYPES = frozenset({
     "local", "device", "nccl", "local_update_cpu", "local_allreduce_cpu", "local_allreduce_device",
@@ -115,7 +141,10 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
             ``timeout=``, ``auto_tune=``, ``timeline=``, ...; see
             :class:`~bytescheduler.core.config.SchedulerConfig`); rank 0's count. Unset ones come
-            from the environment or :data:`KVSTORE_DEFAULTS` (a 64 MiB credit; ``adaptive``: rank 0
+            from the environment or :func:`store_defaults` (a 64 MiB credit; a partition that
+            follows the number of servers, ``DMLC_NUM_SERVER``: 4 MiB on 1-2 servers, halved
+            each time they double, 256 KiB at least, see
+            :func:`~bytescheduler.core.config.server_grain_bytes`; ``adaptive``: rank 0
             times steps of MXNet's own calls against scheduled ones and runs the faster, see
             :mod:`bytescheduler.mxnet.plain`). ``merge`` is off
             and ``merge=True`` is refused. With ``auto_tune``, rank 0 tunes partition (not below
@@ -130,7 +159,9 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             raise ValueError("merge=True does not apply to ScheduledKVStore: MXNet sends every server key "
                              "as a request of its own, so the parameter-server backend never fuses pieces "
                              "into one transfer; leave merge unset")
-        config = SchedulerConfig.build(config, defaults=KVSTORE_DEFAULTS, **options).with_options(merge=False)
+        defaults = store_defaults(num_servers()) if "dist" in str(getattr(store, "type", store)).lower() \
+            else KVSTORE_DEFAULTS
+        config = SchedulerConfig.build(config, defaults=defaults, **options).with_options(merge=False)
         grain = config.partition_bytes if grain_bytes is None else parse_size(grain_bytes, "grain_bytes")
         if grain > config.partition_bytes:
             raise ValueError(f"grain_bytes={grain} is larger than partition_bytes={config.partition_bytes}; "

@@ -39,7 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..core.config import SchedulerConfig
+from ..core.config import SchedulerConfig, server_grain_bytes
 from .allreduce import LINK, DdpReducer, GlooLanes, ScheduledAllReduce, ScheduledHook, ddp_buckets
 from .calibration import Calibration
 from .events import Simulation, Span
@@ -48,7 +48,7 @@ from .network import Network
 from .profile import Profile
 from .training import StepMode, Training, gradients
 
-__all__ = ["SYSTEMS", "ALIASES", "Result", "simulate", "default_config", "canonical", "gradients", "ddp_buckets"]
+__all__ = ["SYSTEMS", "ALIASES", "Result", "simulate", "default_config", "server_count", "canonical", "gradients", "ddp_buckets"]
 
 SYSTEMS = ("compute", "ddp", "ddp-hook", "scheduled", "hvd", "hvd-scheduled", "ps", "ps-scheduled")
 # The bench's names for the parameter-server systems, so predictions and measurements line up.
@@ -106,8 +106,10 @@ def canonical(system: str) -> str:
     return name
 
 
-def default_config(system: str) -> SchedulerConfig:
-    """The settings an adapter uses when the user sets none (kept equal to the adapters' by a test)."""
+def default_config(system: str, servers: Optional[int] = None) -> SchedulerConfig:
+    """The settings an adapter uses when the user sets none (kept equal to the adapters' by a
+    test); ``servers``: the parameter servers of the ``ps`` systems, whose default partition
+    follows their number (None: ScheduledKVStore's default on 1-2 servers, 4 MiB)."""
     system = canonical(system)
     if system == "ddp-hook":
         return SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2, adaptive=True)
@@ -116,8 +118,15 @@ def default_config(system: str) -> SchedulerConfig:
         return SchedulerConfig(partition_bytes=8 * 1024**2, credit_bytes=16 * 1024**2, adaptive=True)
     if system == "ps-scheduled":
         # ps-lite sends every server key as a request of its own: the store turns merging off.
-        return SchedulerConfig(credit_bytes=64 * 1024**2, adaptive=True)
+        credit = 64 * 1024**2
+        grain = server_grain_bytes(servers, credit) if servers is not None else 4 * 1024**2
+        return SchedulerConfig(partition_bytes=grain, credit_bytes=credit, adaptive=True)
     return SchedulerConfig(cycle_ms=2.0, adaptive=True)
+
+
+def server_count(network: Network, ranks: int) -> int:
+    """The parameter servers of a ``ps`` simulation: one on each rank's machine, or the network's."""
+    return network.servers or ranks
 
 
 def _capacities(calibration: Optional[Calibration]) -> Dict[str, float]:
@@ -189,7 +198,7 @@ def simulate(profile: Profile, network: Network, ranks: int, system: str,
     if name == "compute":
         return Result(system, profile.compute_s, 0.0, 0.0, iteration_starts=())
     if config is None:
-        config = default_config(name)
+        config = default_config(name, servers=server_count(network, ranks))
     result = _run(profile, network, ranks, name, config, iterations, calibration, record)
     plain = None
     if name in PLAIN_PATHS and config.adaptive and not config.auto_tune:
@@ -210,7 +219,8 @@ def _plain_seconds(profile: Profile, network: Network, ranks: int, system: str, 
                                                calibration.memcpy_bytes_per_s, calibration.cores)
     key = (profile, network, ranks, system, iterations, costs)
     if key not in _PLAIN_CACHE:
-        _PLAIN_CACHE[key] = _run(profile, network, ranks, PLAIN_PATHS[system], default_config(system), iterations,
+        _PLAIN_CACHE[key] = _run(profile, network, ranks, PLAIN_PATHS[system],
+                                 default_config(system, servers=server_count(network, ranks)), iterations,
                                  calibration, False).seconds
         if len(_PLAIN_CACHE) > _PLAIN_CACHE_SIZE:
             _PLAIN_CACHE.popitem(last=False)

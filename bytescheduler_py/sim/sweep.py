@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..core.config import format_size, parse_size
+from ..core.config import SchedulerConfig, format_size, parse_size
 from .engine import default_config, simulate
 from .network import Network, parse_rate
 from .paper import MODELS as PAPER_MODELS, REPORTED, REPORTED_SETUP, reported_seconds, reported_speedup
@@ -82,26 +82,41 @@ class Sweep:
     """
 
     def __init__(self, profile: Profile, system: str = "scheduled", latency: float = 50e-6, op_seconds: float = 0.0,
-                 algorithm: str = "ring", iterations: int = 8) -> None:
+                 algorithm: str = "ring", iterations: int = 8, servers: int = 0) -> None:
         if system not in FRAMEWORK_PATH:
             raise ValueError(f"cannot sweep {system!r}: use one of {', '.join(FRAMEWORK_PATH)}")
         self.profile, self.system, self.iterations = profile, system, iterations
         self.latency, self.op_seconds, self.algorithm = latency, op_seconds, algorithm
+        self.servers = servers
 
     def network(self, bandwidth: float) -> Network:
-        return Network(bandwidth, latency=self.latency, op_seconds=self.op_seconds, algorithm=self.algorithm)
+        return Network(bandwidth, latency=self.latency, op_seconds=self.op_seconds, algorithm=self.algorithm,
+                       servers=self.servers)
+
+    def defaults(self, ranks: int) -> SchedulerConfig:
+        """The adapter's own settings on ``ranks`` ranks (the parameter server's partition
+        follows the number of servers)."""
+        return default_config(self.system, servers=self.servers or ranks)
+
+    def settings(self, ranks: int, partitions: Sequence[Optional[int]],
+                 credits: Sequence[Optional[int]]) -> List[Tuple[int, int]]:
+        """Every (partition, credit) to simulate on ``ranks``; None stands for the adapter's default."""
+        own = self.defaults(ranks)
+        return [(own.partition_bytes if p is None else p, own.credit_bytes if c is None else c)
+                for p in partitions for c in credits]
 
     def framework_seconds(self, ranks: int, bandwidth: float) -> float:
         return simulate(self.profile, self.network(bandwidth), ranks, FRAMEWORK_PATH[self.system],
                         iterations=self.iterations).seconds
 
     def seconds(self, ranks: int, bandwidth: float, partition_bytes: int, credit_bytes: int) -> float:
-        config = default_config(self.system).with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
+        config = self.defaults(ranks).with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
         return simulate(self.profile, self.network(bandwidth), ranks, self.system, config, self.iterations).seconds
 
-    def run(self, ranks: Sequence[int], rates: Sequence[str], partitions: Sequence[int],
-            credits: Sequence[int]) -> List[Prediction]:
-        """Every (ranks, rate, partition, credit), the framework's own path once per (ranks, rate)."""
+    def run(self, ranks: Sequence[int], rates: Sequence[str], partitions: Sequence[Optional[int]] = (None,),
+            credits: Sequence[Optional[int]] = (None,)) -> List[Prediction]:
+        """Every (ranks, rate, partition, credit), the framework's own path once per (ranks, rate);
+        a partition or credit of None is the adapter's default on that cluster."""
         rows = []
         for count in ranks:
             for rate in rates:
@@ -109,7 +124,7 @@ class Sweep:
                 framework = self.framework_seconds(count, bandwidth)
                 rows += [Prediction(count, rate, partition, credit, framework,
                                     self.seconds(count, bandwidth, partition, credit))
-                         for partition in partitions for credit in credits]
+                         for partition, credit in self.settings(count, partitions, credits)]
         return rows
 
 
@@ -173,8 +188,8 @@ def _finite(value: float) -> Optional[float]:
     return None if math.isnan(value) else value
 
 
-def compare_with_paper(sweep: Sweep, name: str, partitions: Sequence[int],
-                       credits: Sequence[int]) -> Dict[int, Tuple[float, float, float]]:
+def compare_with_paper(sweep: Sweep, name: str, partitions: Sequence[Optional[int]] = (None,),
+                       credits: Sequence[Optional[int]] = (None,)) -> Dict[int, Tuple[float, float, float]]:
     """Per GPU count the paper reports: its speedup, the rate at which our DDP is as slow as
     its baseline, and our best predicted speedup at that rate."""
     out = {}
@@ -183,7 +198,7 @@ def compare_with_paper(sweep: Sweep, name: str, partitions: Sequence[int],
         speedup = math.nan
         if not math.isnan(rate):
             framework = sweep.framework_seconds(gpus, rate)
-            fastest = min(sweep.seconds(gpus, rate, p, c) for p in partitions for c in credits)
+            fastest = min(sweep.seconds(gpus, rate, p, c) for p, c in sweep.settings(gpus, partitions, credits))
             speedup = framework / fastest
         out[gpus] = (reported_speedup(name, gpus), rate, speedup)
     return out
@@ -216,11 +231,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(str(error))
     if args.compare_paper and args.model not in PAPER_MODELS:
         parser.error(f"--compare-paper needs one of the paper's models: --model {' | '.join(PAPER_MODELS)}")
-    defaults = default_config(args.system)
-    partitions = [parse_size(s, "--partition") for s in args.partition] if args.partition else [defaults.partition_bytes]
-    credits = [parse_size(s, "--credit") for s in args.credit] if args.credit else [defaults.credit_bytes]
+    # None: the adapter's default on each cluster (the parameter server's follows the servers)
+    partitions = [parse_size(s, "--partition") for s in args.partition] if args.partition else [None]
+    credits = [parse_size(s, "--credit") for s in args.credit] if args.credit else [None]
     profile = profile_from(args)
-    sweep = Sweep(profile, args.system, args.latency_us * 1e-6, args.op_us * 1e-6, args.algorithm, args.iterations)
+    sweep = Sweep(profile, args.system, args.latency_us * 1e-6, args.op_us * 1e-6, args.algorithm, args.iterations,
+                  args.servers)
     rows = sweep.run(ranks, [rate for rate, _ in rates], partitions, credits)
     best = best_per_cluster(rows)
     paper = compare_with_paper(sweep, args.model, partitions, credits) if args.compare_paper else None

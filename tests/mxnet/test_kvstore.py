@@ -309,3 +309,17 @@ def test_many_workers_of_different_speeds_one_joining_late_train_as_the_referenc
                 assert np.array_equal(got[key], params[0][key]), (name, rank, key)
             error = np.abs(params[0][key] - expected).max() / np.abs(expected).max()
             assert error <= 1e-6, (name, key, error)
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("servers", [1, 8])
+def test_default_grain_follows_the_servers_and_sums_as_mxnet_does(servers):
+    # No partition given: 4 MiB on one server, 1 MiB on 8 (server_grain_bytes); a key above
+    # MXNet's big-array bound, split into sub-keys of that grain, sums bitwise as MXNet's own key.
+    from bytescheduler.core.config import server_grain_bytes
+
+    status, text = run_job("kv_default_grain.py", servers=servers)
+    assert status == 0, text
+    grain = server_grain_bytes(servers)
+    lines = re.findall(rf"GRAIN rank=\d servers={servers} partition={grain} grain={grain} subkeys=(\d+)", text)
+    assert len(lines) == 2 and int(lines[0]) >= 2, text

@@ -9,7 +9,7 @@ import mxnet as mx
 import pytest
 
 from bytescheduler.mxnet.keys import SUBKEY_BASE, KeyLayout
-from bytescheduler.mxnet.kvstore import KVSTORE_DEFAULTS
+from bytescheduler.mxnet.kvstore import KVSTORE_DEFAULTS, num_servers, store_defaults
 from bytescheduler.sim import ps
 from bytescheduler.sim.calibration import derive
 from bytescheduler.sim.engine import default_config
@@ -20,6 +20,18 @@ def test_the_simulated_store_has_the_stores_defaults():
     assert default_config("ps-scheduled") == KVSTORE_DEFAULTS
     assert default_config("mxnet-scheduled") == KVSTORE_DEFAULTS
     assert ps.SUBKEY_BASE == SUBKEY_BASE
+    # the partition follows the number of servers in both
+    for servers in (1, 2, 4, 8, 16, 32, 64, 1000):
+        assert default_config("ps-scheduled", servers=servers) == store_defaults(servers), servers
+    assert [store_defaults(n).partition_bytes // 2**10 for n in (2, 8, 32)] == [4096, 1024, 256]
+
+
+def test_the_number_of_servers_comes_from_the_launchers_variable():
+    assert num_servers({}) == 1
+    assert num_servers({"DMLC_NUM_SERVER": " 16 "}) == 16
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(ValueError, match="DMLC_NUM_SERVER=.*positive integer"):
+            num_servers({"DMLC_NUM_SERVER": bad})
 
 
 def test_the_simulated_layout_is_the_stores():
