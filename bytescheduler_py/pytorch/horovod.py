@@ -21,6 +21,7 @@ different pieces, and each waits inside Horovod for the other to submit its own.
 """
 
 import itertools
+import math
 import os
 import queue
 import threading
@@ -135,43 +136,48 @@ class HorovodBackend:
         self._thread.join(timeout=10)
 
 
-def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str, held: Held) -> Any:
+def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, what: str, held: Held,
+              spin_seconds: float = _SPIN_SECONDS) -> Any:
     """Wait for a Horovod handle; its result (Horovod's ``synchronize``), or False if
     ``cancel`` was set. ``held`` holds the operation's tensors: let go once it succeeded
     (see :mod:`~bytescheduler.pytorch.horovod_hold`).
 
-    For the first :data:`_SPIN_SECONDS` it polls between ``sched_yield`` calls, as
-    Horovod's own ``synchronize`` does: the core never idles, so the completion is seen at
-    once (sleeping instead let the core idle, and waking it cost the plain path 11-20% of an
-    iteration on the small models, measured on this project's VM). Past that it polls with
-    a growing pause (at most 1 ms), so a long wait does not hold the core.
+    For the first ``spin_seconds`` (default :data:`_SPIN_SECONDS`) it polls between
+    ``sched_yield`` calls, as Horovod's own ``synchronize`` does: the core never idles, so
+    the completion is seen at once (sleeping instead let the core idle, and waking it cost
+    the plain path 11-20% of an iteration on the small models, measured on this project's
+    VM). Past that it polls with a growing pause (at most 1 ms), so a long wait does not
+    hold the core. The plain path's waits in ``step()`` spin to the deadline, as
+    ``synchronize`` does: an all-reduce of a large gradient on a slow link lasts longer
+    than 50 ms, and sleeping there cost 8% of an iteration (MLP, 2 Gbit/s).
 
     Raises Horovod's error if the operation failed (e.g. a peer died), or
     :class:`CommunicationTimeout` after ``timeout`` seconds.
     """
-    result = _poll_until_done(handle, cancel, timeout, what)
+    result = _poll_until_done(handle, cancel, timeout, what, spin_seconds)
     if result is not False:
         held.release()
     return result
 
 
-def _poll_until_done(handle: int, cancel: Optional[threading.Event], timeout: float, what: str) -> Any:
+def _poll_until_done(handle: int, cancel: Optional[threading.Event], timeout: float, what: str,
+                     spin_seconds: float) -> Any:
     """The polling of :func:`_wait_for` (which see)."""
     start = time.monotonic()
-    spin_until, deadline = start + _SPIN_SECONDS, start + timeout
+    spin_until, deadline = start + spin_seconds, start + timeout
     pause = 1e-5
     while not hvd.poll(handle):
         if cancel is not None and cancel.is_set():
             return False
         now = time.monotonic()
-        if now < spin_until:
-            os.sched_yield()
-            continue
         if now > deadline:
             raise CommunicationTimeout(
                 f"rank {hvd.rank()}: {what} did not finish within {timeout} s; a peer may have died or "
                 "stopped training (set BYTESCHEDULER_TIMEOUT to change the limit)"
             )
+        if now < spin_until:
+            os.sched_yield()
+            continue
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
     result = hvd.synchronize(handle)
@@ -257,7 +263,8 @@ class HorovodReducer:
 
     def wait(self, started: List[Tuple[Held, int]], assign: Any = None) -> None:  # Horovod averages in place
         for held, handle in started:
-            _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path", held)
+            _wait_for(handle, None, self._timeout, "an all-reduce of Horovod's own path", held,
+                      spin_seconds=math.inf)
 
 
 def _plain_setup(prefix: str, timeout: float, start_plain: bool) -> PlainSetup:

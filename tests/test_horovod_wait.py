@@ -1,0 +1,60 @@
+"""How the Horovod adapter waits for an operation: never sleeping on Horovod's own path.
+
+Horovod's ``synchronize`` polls between yields and never sleeps; sleeping lets the VM's core
+idle and costs the wake-up (docs/benchmarks.md, tenth round: 8% of an MLP iteration at
+2 Gbit/s, where one all-reduce lasts longer than the 50 ms our other waits spin). These
+tests drive the wait with Horovod's ``poll`` replaced by a clock, in this process (the real
+Horovod runs in tests/test_horovod.py).
+"""
+
+import time
+
+import pytest
+import torch
+
+from bytescheduler.core.errors import CommunicationTimeout
+from bytescheduler.pytorch import horovod as adapter  # Horovod is installed by the set-up: no skip
+from bytescheduler.pytorch.horovod_hold import Held
+
+LONG = 0.15  # longer than the spin of the other waits (adapter._SPIN_SECONDS)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Handles finish ``LONG`` s after the test starts; counts the adapter's sleeps."""
+    done_at = time.monotonic() + LONG
+    sleeps = []
+    real_sleep = time.sleep
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(adapter.hvd, "poll", lambda handle: time.monotonic() >= done_at)
+    monkeypatch.setattr(adapter.hvd, "synchronize", lambda handle: None)
+    monkeypatch.setattr(adapter.time, "sleep", sleep)
+    return sleeps
+
+
+def test_horovods_own_path_waits_without_sleeping_however_long(clock):
+    assert LONG > adapter._SPIN_SECONDS
+    reducer = adapter.HorovodReducer("test", timeout=30.0)
+    started = time.monotonic()
+    reducer.wait([(Held(torch.zeros(4)), 1), (Held(torch.zeros(4)), 2)])
+    assert time.monotonic() - started >= LONG * 0.9
+    assert clock == []
+
+
+def test_other_waits_spin_then_sleep(clock):
+    adapter._wait_for(1, None, 30.0, "a test wait", Held(torch.zeros(4)))
+    assert clock and max(clock) <= 1e-3
+
+
+def test_the_spinning_wait_still_keeps_its_deadline(monkeypatch):
+    monkeypatch.setattr(adapter.hvd, "poll", lambda handle: False)
+    monkeypatch.setattr(adapter.hvd, "rank", lambda: 0)
+    reducer = adapter.HorovodReducer("test", timeout=0.1)
+    started = time.monotonic()
+    with pytest.raises(CommunicationTimeout, match="all-reduce of Horovod's own path did not finish within 0.1 s"):
+        reducer.wait([(Held(torch.zeros(4)), 1)])
+    assert time.monotonic() - started < 2.0
