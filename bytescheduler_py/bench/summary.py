@@ -6,8 +6,10 @@ Each ``bytescheduler bench`` run alternates the systems of one model and rate; t
 the ``results.json`` of several runs and prints, per model and rate, every scheduled
 system's speedup over its own framework's baseline (from the run's alternating blocks),
 the share of the attainable gain, the share of timed steps the mode switch ran on the
-framework's own path, and the worst and best of the per-round ratios (how much to trust
-the median). A speedup below 1.00x is marked: the project's bar is never slower.
+framework's own path, and the median, worst and best of the per-round ratios (each
+round's two blocks run back to back, so the median of their ratios is the figure drift
+moves least; the range says how much to trust it). A speedup below 1.00x is marked: the
+project's bar is never slower.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def _round_ratios(system: dict, baseline: dict) -> List[float]:
 
 
 def rows(results: Iterable[dict]) -> List[List[str]]:
-    """Table rows: model, rate, system, s/iter (ours / baseline), speedup, per-round range,
-    attainable gain, plain steps."""
+    """Table rows: model, rate, system, s/iter (ours / baseline), speedup, per-round ratios
+    (median and range), attainable gain, plain steps."""
     table = []
     for result in results:
         systems = result["systems"]
@@ -44,7 +46,7 @@ def rows(results: Iterable[dict]) -> List[List[str]]:
                 continue
             baseline = systems[baseline_name]
             ratios = _round_ratios(entry, baseline)
-            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""
+            spread = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
             speedup = entry.get("speedup")
             mark = " (slower)" if speedup is not None and speedup < 0.995 else ""
             gain = entry.get("attainable_gain")
@@ -62,7 +64,7 @@ def rows(results: Iterable[dict]) -> List[List[str]]:
 
 
 def markdown(table: List[List[str]]) -> str:
-    header = ["model", "link", "system", "s/iter (ours / baseline)", "speedup", "per-round ratios",
+    header = ["model", "link", "system", "s/iter (ours / baseline)", "speedup", "per-round ratios: median (range)",
               "attainable gain", "steps on the framework's path"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in table]
