@@ -46,6 +46,17 @@ def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confi
     assert chooser.decisions == 5 and chooser.choices == 4
 
 
+def test_every_choice_is_kept_with_the_step_times_behind_it():
+    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1)
+    _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 40)
+    first, retrial = chooser.verdicts[:2]
+    assert first["kind"] == "trials" and first["winner"] == SCHEDULED and first["clear"] and first["told_apart"]
+    assert first["scheduled_s"] == [1.0, 1.0, 1.0] and first["plain_s"] == [1.3, 1.3, 1.3]  # the settle step untimed
+    assert retrial["kind"] == "re-trial" and retrial["winner"] == SCHEDULED and retrial["plain_s"] == [1.3] * 3
+    assert [v["step"] for v in chooser.verdicts[:2]] == [9, 24]  # the steps ended when each was made
+    assert len(chooser.verdicts) == chooser.choices
+
+
 def test_a_clear_first_choice_holds_longer_and_trials_last_long_enough():
     clear = ModeChooser(warmup=2, settle=0, trial=2, pairs=3, hold=10, max_hold=100, clear_hold=4)
     assert _drive(clear, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 60)[:50] == "ss" "ss" "pp" + "s" * 40 + "pp" "ss"

@@ -191,6 +191,11 @@ class System:
         switch = self.mode_switch()
         return "" if switch is None else "".join(mode[0] for mode in switch.chooser.history)
 
+    def mode_verdicts(self) -> List[dict]:
+        """Rank 0: the mode switch's choices and the step times behind each (else [])."""
+        switch = self.mode_switch()
+        return [] if switch is None else list(switch.chooser.verdicts)
+
     def close(self) -> None:
         pass
 
@@ -286,7 +291,8 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
                       "operations_per_iteration": counted[name][0] / max(1, meter.iterations.get(name, 0)),
                       "pieces_per_iteration": counted[name][1] / max(1, meter.iterations.get(name, 0)),
                       "plain_fraction": (plain_steps[name] / max(1, meter.iterations.get(name, 0))
-                                         if systems[name].modes() else None)}
+                                         if systems[name].modes() else None),
+                      "mode_verdicts": systems[name].mode_verdicts()}
                for name in systems}
     return times, rss, busy, profile
 

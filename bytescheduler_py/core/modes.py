@@ -111,6 +111,8 @@ class ModeChooser:
         self.margin, self.clear = margin, clear
         self.mode = SCHEDULED
         self.decisions = 0  # decision points passed
+        # rank 0: every choice made, with the step times it was made from (for reports)
+        self.verdicts: List[Dict[str, Any]] = []
         self.choices = 0  # decision points that chose a mode (0: still choosing the first)
         self._runs: List[List] = []  # [mode, steps] of the steps ended, run-length encoded
         self._phase = _WARMUP
@@ -219,7 +221,10 @@ class ModeChooser:
         if self._phase == _RETRIAL:
             if not self._held or not self._samples:
                 return _CHOICE[_other(self.mode)]  # nothing to compare: back to the held mode
-            return _CHOICE[self._faster({self.mode: self._samples, _other(self.mode): self._held})]
+            samples = {self.mode: self._samples, _other(self.mode): self._held}
+            winner, told_apart = self._verdict(samples)
+            self._note("re-trial", samples, winner, told_apart, False)
+            return _CHOICE[winner]
         samples = self._trials
         if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
@@ -230,10 +235,13 @@ class ModeChooser:
         clear = told_apart and abs(scheduled - plain) >= self.clear * max(scheduled, plain)
         if self._pairs_run < self.pairs and not clear:
             return CONTINUE
+        self._note("trials", samples, winner, told_apart, clear)
         return encode(_CHOICE[winner], CLEAR if clear else 0)
 
-    def _faster(self, samples: Dict[str, List[float]]) -> str:
-        return self._verdict(samples)[0]
+    def _note(self, kind: str, samples: Dict[str, List[float]], winner: str, told_apart: bool, clear: bool) -> None:
+        """Keep a verdict and the step times behind it (:attr:`verdicts`)."""
+        self.verdicts.append({"kind": kind, "step": len(self.history), "winner": winner, "told_apart": told_apart,
+                              "clear": clear, **{f"{mode}_s": [round(t, 6) for t in samples[mode]] for mode in MODES}})
 
     def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool]:
         """The faster path (ties and differences within the noise: plain), and whether its
