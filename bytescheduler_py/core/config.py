@@ -280,6 +280,10 @@ class SchedulerConfig:
                        credit_bytes=plan.credit_bytes, start_plain=not plan.schedule)
 
 
+# Sub-keys in flight per parameter server under the credit (server_grain_bytes).
+SUBKEYS_PER_SERVER = 8
+
+
 def server_grain_bytes(servers: int, credit_bytes: int = 64 * 1024**2) -> int:
     """ScheduledKVStore's default partition (and server grain) for ``servers`` parameter servers.
 
@@ -299,10 +303,6 @@ def server_grain_bytes(servers: int, credit_bytes: int = 64 * 1024**2) -> int:
         raise ValueError(f"servers must be at least 1, not {servers}")
     share = max(1, credit_bytes // (SUBKEYS_PER_SERVER * servers))
     return max(256 * 1024, min(4 * 1024**2, 1 << (share.bit_length() - 1)))
-
-
-# Sub-keys in flight per parameter server under the credit (server_grain_bytes).
-SUBKEYS_PER_SERVER = 8
 
 
 _PARSERS = {

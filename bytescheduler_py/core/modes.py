@@ -245,7 +245,7 @@ class ModeChooser:
 
     def _note(self, kind: str, samples: Dict[str, List[float]], winner: str, told_apart: bool, clear: bool) -> None:
         """Keep a verdict and the step times behind it (:attr:`verdicts`)."""
-        self.verdicts.append({"kind": kind, "step": len(self.history), "winner": winner, "told_apart": told_apart,
+        self.verdicts.append({"kind": kind, "step": sum(steps for _, steps in self._runs), "winner": winner, "told_apart": told_apart,
                               "clear": clear, **{f"{mode}_s": [round(t, 6) for t in samples[mode]] for mode in MODES}})
 
     def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool]:

@@ -119,8 +119,8 @@ def default_config(system: str, servers: Optional[int] = None) -> SchedulerConfi
     if system == "ps-scheduled":
         # ps-lite sends every server key as a request of its own: the store turns merging off.
         credit = 64 * 1024**2
-        grain = server_grain_bytes(servers, credit) if servers is not None else 4 * 1024**2
-        return SchedulerConfig(partition_bytes=grain, credit_bytes=credit, adaptive=True)
+        return SchedulerConfig(partition_bytes=server_grain_bytes(servers or 1, credit), credit_bytes=credit,
+                               adaptive=True)
     return SchedulerConfig(cycle_ms=2.0, adaptive=True)
 
 
