@@ -301,15 +301,17 @@ class JobQueue:
 
     def wait_key(self, info: KeyInfo) -> None:
         """Wait until the last scheduled operation of ``info`` completed; raise its error."""
-        job = info.last
-        if job is None:
-            return
+        if info.last is not None:
+            self.wait_done(info.last)
+
+    def wait_done(self, job: Job) -> None:
+        """Wait until ``job`` completed; raise its error."""
         self.wait_queued(job)
         try:
             error = job.task.future.exception(self.timeout)
         except TimeoutError:
             raise CommunicationTimeout(
-                f"rank {self._rank}: key {info.key!r} not communicated within {self.timeout} s; "
+                f"rank {self._rank}: key {job.info.key!r} not communicated within {self.timeout} s; "
                 "a peer may have died") from None
         if error is not None:
             reraise(error)

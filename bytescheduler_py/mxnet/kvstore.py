@@ -187,7 +187,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._scheduler = Scheduler(self._backend, channel=self._channel, rank=self._rank, config=config,
                                     tuning={"min_partition_bytes": grain})
         self._jobs = JobQueue(self._scheduler, self._rank, config.timeout)
-        self._modes = StoreModes(inner, self._rank, self._num_workers, self._layout, self._scheduler, self.synchronize)
+        self._modes = StoreModes(inner, self._rank, self._num_workers, self._layout, self._scheduler, self.synchronize,
+                                 self._jobs.wait_done)
         self._plain_calls = self._modes.calls
         self._config = config  # rank 0's shared settings once the first init connected the workers
         self._modes.configure(config)

@@ -323,3 +323,17 @@ def test_default_grain_follows_the_servers_and_sums_as_mxnet_does(servers):
     grain = server_grain_bytes(servers)
     lines = re.findall(rf"GRAIN rank=\d servers={servers} partition={grain} grain={grain} subkeys=(\d+)", text)
     assert len(lines) == 2 and int(lines[0]) >= 2, text
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_mode_switch_times_whole_steps_when_the_loop_never_waits():
+    # MXNet's calls return before they run, and gluon's Trainer never waits: the plain path's
+    # steps must still be timed to the end of their communication (32 MB per step), not to
+    # the end of queueing it. Before the fix they measured 1-3% of the scheduled path's.
+    status, text = run_job("kv_step_clock.py", servers=1)
+    assert status == 0, text
+    assert len(re.findall(r"DONE rank=\d", text)) == 2, text
+    found = re.search(r"CLOCK rank=0 scheduled=([\d.]+) plain=([\d.]+)", text)
+    assert found, text
+    scheduled, plain = float(found.group(1)), float(found.group(2))
+    assert plain >= 0.3 * scheduled, (scheduled, plain, text)

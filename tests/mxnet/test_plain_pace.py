@@ -1,0 +1,60 @@
+"""ScheduledKVStore's step pacing (mxnet/plain.py): at a step's first push the store waits for
+the step before the last one, on the plain path (every worker) and the schedule (rank 0)."""
+
+from types import SimpleNamespace
+
+import mxnet as mx
+
+from bytescheduler.mxnet.keys import KeyInfo
+from bytescheduler.mxnet.plain import StoreModes
+
+
+class Layout:
+    def __init__(self, count):
+        self.keys = [SimpleNamespace(last=None) for _ in range(count)]
+
+    def infos(self):
+        return self.keys
+
+
+class Inner:
+    def __init__(self):
+        self.calls = []
+
+    def push(self, key, value, priority=0):
+        self.calls.append(("push", key))
+
+
+def modes_for(rank, layout, waited):
+    return StoreModes(Inner(), rank, 2, layout, scheduler=None, drain=lambda: None, wait_done=waited.append)
+
+
+def test_rank_0_waits_for_the_schedule_of_the_step_before_the_last():
+    layout, waited = Layout(3), []
+    modes = modes_for(0, layout, waited)
+    for step in range(1, 5):
+        for index, info in enumerate(layout.keys):
+            info.last = f"job{step}.{index}"  # the step's last operation of each key
+        modes._pace()  # step + 1 begins: it waits for step - 1
+        assert waited == [f"job{done}.{index}" for done in range(1, step) for index in range(3)], (step, waited)
+
+
+def test_other_ranks_never_wait_for_the_schedule():
+    layout, waited = Layout(2), []
+    modes = modes_for(1, layout, waited)
+    for step in range(4):
+        for info in layout.keys:
+            info.last = f"job{step}"
+        modes._pace()
+    assert waited == []
+
+
+def test_the_plain_path_keeps_two_steps_of_arrays():
+    info = KeyInfo(0, 0, (4,), "float32", [(0, 4)], [0])
+    modes = modes_for(1, Layout(0), [])
+    for _ in range(5):
+        modes._pace()
+        modes.calls.push([info], [[mx.nd.ones((4,))]], priority=0)
+    assert len(modes.calls._steps) == 2  # the last step's arrays and this one's; older ones let go
+    modes.calls.drain()
+    assert [len(read) for read, _ in modes.calls._steps] == [0]
