@@ -17,9 +17,10 @@ threads ever call the inner store at once.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import mxnet as mx
+import numpy as np
 
 from ..core.config import SchedulerConfig
 from ..core.modes import PLAIN, STOP, ModeDriver, new_chooser
@@ -33,47 +34,79 @@ class PlainCalls:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        # Per training step, oldest first: the arrays pushed (read) and pulled into (written).
-        self._steps: Deque[Tuple[List[Any], List[Any]]] = deque([([], [])])
+        # Arrays pushed (read) and pulled into (written) since the last drain, by id: gluon
+        # passes the same arrays every step, so these stay as large as the model.
+        self._read: Dict[int, Any] = {}
+        self._written: Dict[int, Any] = {}
+        self._step: Dict[int, Any] = {}  # the arrays pulled into in the current step
+        self._marks: Deque[List[Any]] = deque()  # per step, oldest first: see new_step
+        self._firsts: Dict[int, Tuple[Any, Any]] = {}  # id -> (array, a view of its first element)
 
     def push(self, infos: Sequence[KeyInfo], values: Sequence[List[Any]], priority: int) -> None:
         keys, arrays = _split(infos, values)
         self._inner.push(*mx_args(keys, arrays), priority=priority)
-        self._steps[-1][0].extend(arr for group in arrays for arr in group)
+        self._note(self._read, values)
 
     def pull(self, infos: Sequence[KeyInfo], outs: Sequence[List[Any]], priority: int, ignore_sparse: bool) -> None:
         keys, arrays = _split(infos, outs)
         out_key, out = mx_args(keys, arrays)
         self._inner.pull(out_key, out=out, priority=priority, ignore_sparse=ignore_sparse)
-        self._steps[-1][1].extend(arr for group in arrays for arr in group)
+        self._note(self._written, outs)
+        self._note(self._step, outs)
 
     def pushpull(self, infos: Sequence[KeyInfo], values: Sequence[List[Any]], outs: Sequence[List[Any]],
                  priority: int) -> None:
         keys, pushed = _split(infos, values)
         _, pulled = _split(infos, outs)
         self._inner.pushpull(*mx_args(keys, pushed), out=mx_args(keys, pulled)[1], priority=priority)
-        self._steps[-1][0].extend(arr for group in pushed for arr in group)
-        self._steps[-1][1].extend(arr for group in pulled for arr in group)
+        self._note(self._read, values)
+        self._note(self._written, outs)
+        self._note(self._step, outs)
+
+    @staticmethod
+    def _note(seen: Dict[int, Any], groups: Sequence[List[Any]]) -> None:
+        for group in groups:
+            for arr in group:
+                seen[id(arr)] = arr
 
     def new_step(self) -> None:
-        """A training step begins: wait until the calls of the step before the last finished
-        (see ``StoreModes._pace``)."""
-        while len(self._steps) > 1:
-            _wait_for(*self._steps.popleft())
-        self._steps.append(([], []))
+        """A training step begins: wait until the pulls of the step before the last completed
+        (see ``StoreModes._pace``).
+
+        The arrays are the same every step, and MXNet's ``wait_to_read`` waits for every write
+        queued so far, the last step's pulls included. So each step's pulls get a mark: a
+        copy of each array's first element, queued behind that step's pulls and ahead of the
+        next step's, which completes when that step's pulls did.
+        """
+        if self._step:
+            self._marks.append(self._mark(list(self._step.values())))
+            self._step = {}
+        while len(self._marks) > 1:
+            for mark in self._marks.popleft():
+                mark.wait_to_read()
+
+    def _mark(self, arrays: List[Any]) -> List[Any]:
+        views: Dict[Any, List[Any]] = {}
+        if len(self._firsts) > 4 * len(self._written) + 64:
+            self._firsts.clear()  # arrays made afresh each step: let go of them
+        for arr in arrays:
+            entry = self._firsts.get(id(arr))
+            if entry is None or entry[0] is not arr:
+                if arr.size == 0:
+                    continue
+                entry = self._firsts[id(arr)] = (arr, arr.reshape(-1)[0:1])
+            views.setdefault(np.dtype(arr.dtype), []).append(entry[1])
+        return [group[0].copy() if len(group) == 1 else mx.nd.concat(*group, dim=0) for group in views.values()]
 
     def drain(self) -> None:
         """Wait until every call made so far has finished (before the scheduled path takes over)."""
-        steps, self._steps = self._steps, deque([([], [])])
-        for read, written in steps:
-            _wait_for(read, written)
-
-
-def _wait_for(read: List[Any], written: List[Any]) -> None:
-    for arr in written:
-        arr.wait_to_read()
-    for arr in read:
-        wait_to_write(arr)
+        written, read = list(self._written.values()), list(self._read.values())
+        self._written, self._read, self._step = {}, {}, {}
+        self._marks.clear()
+        for arr in written:
+            arr.wait_to_read()
+        for arr in read:
+            wait_to_write(arr)
 
 
 def _split(infos: Sequence[KeyInfo], arrays: Sequence[List[Any]]) -> Tuple[List[Any], List[List[Any]]]:
@@ -197,10 +230,10 @@ class StoreModes:
         step on VGG-like at 1 Gbit/s), and the switch chose MXNet's own calls every time.
         Waiting for the step before the last (not the last) leaves this thread a step ahead
         of the engine, so it queues a step's calls while the engine still runs the step
-        before, not between that step's pulls and the next forward (waiting for the last
-        step made a step of 32 MB through one server 0.25-0.37 s instead of 0.16 s). The
-        plain path's calls are waited for on every worker (their arrays are let go of); the
-        schedule's, which its credit already holds back, on rank 0 only, the one that times.
+        before, not between that step's pulls and the next forward. The plain path's pulls
+        are waited for on every worker, through a mark per step (:meth:`PlainCalls.new_step`);
+        the schedule's operations, which its credit already holds back, on rank 0 only, the
+        one that times.
         """
         self.calls.new_step()
         if self._rank != 0:

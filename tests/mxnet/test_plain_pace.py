@@ -49,12 +49,24 @@ def test_other_ranks_never_wait_for_the_schedule():
     assert waited == []
 
 
-def test_the_plain_path_keeps_two_steps_of_arrays():
+class PullingInner(Inner):
+    def pull(self, key, out=None, priority=0, ignore_sparse=True):
+        self.calls.append(("pull", key))
+        for arr in out if isinstance(out, list) else [out]:
+            arr[:] = arr + 1  # an engine write of the array, as a pull makes
+
+
+def test_the_plain_path_marks_each_steps_pulls_and_keeps_one_mark_in_flight():
     info = KeyInfo(0, 0, (4,), "float32", [(0, 4)], [0])
-    modes = modes_for(1, Layout(0), [])
+    modes = StoreModes(PullingInner(), 1, 2, Layout(0), scheduler=None, drain=lambda: None, wait_done=None)
+    weight = mx.nd.zeros((4,))  # gluon pulls into the same array every step
     for _ in range(5):
         modes._pace()
-        modes.calls.push([info], [[mx.nd.ones((4,))]], priority=0)
-    assert len(modes.calls._steps) == 2  # the last step's arrays and this one's; older ones let go
+        modes.calls.pull([info], [[weight]], priority=0, ignore_sparse=True)
+    assert len(modes.calls._marks) == 1  # the last step's mark; older ones waited for and let go
+    assert list(modes.calls._written.values()) == [weight]  # one array, however many steps
+    modes._pace()
+    mark = modes.calls._marks[-1][0]
+    assert mark.asnumpy().tolist() == [5.0]  # the copy ran behind the fifth step's pull
     modes.calls.drain()
-    assert [len(read) for read, _ in modes.calls._steps] == [0]
+    assert not modes.calls._marks and not modes.calls._written
