@@ -4,8 +4,8 @@ gluon's Trainer trains a model of one 32 MB layer through a ScheduledKVStore wit
 switch on and short phases; the loop never waits for MXNet (no ``asnumpy``, no ``waitall``),
 so MXNet's calls return before they run. Rank 0's first verdict compares the step times of
 both paths; a step is the time from one step's first push to the next one's, and the plain
-path's calls return at once: unless the switch waits for the last step's calls, its steps
-look as short as queueing them. Prints ``CLOCK rank=0 scheduled=S plain=P`` (median seconds).
+path's calls return at once: unless the store waits for the steps' calls to complete, its
+steps look as short as queueing them. Prints ``CLOCK rank=0 scheduled=S plain=P`` (median seconds).
 """
 
 import statistics
