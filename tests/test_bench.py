@@ -3,6 +3,8 @@
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -134,6 +136,61 @@ def test_bench_runs_another_framework_in_namespaces(tmp_path, baseline, schedule
     assert 0 < summary["link_bytes_per_s"] * 8 < 1.1e9
     assert f"| {labels[1]} |" in done.stdout and f"x vs {labels[0]} |" in done.stdout
     assert (out / "speed.png").stat().st_size > 0
+    # The blocks took turns, the order alternating by round (B A in the second), never overlapping:
+    # for MXNet, two jobs alive at once.
+    spans = sorted((span, name) for name in (baseline, scheduled)
+                   for span in summary["systems"][name]["profile_per_rank"][0]["block_spans"])
+    assert [name for _, name in spans] == [baseline, scheduled, scheduled, baseline], spans
+    assert all(a[0][1] <= b[0][0] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_blocks_take_turns_with_another_job(tmp_path):
+    """Two jobs' run_blocks through one runner's files: each waits for its turn, says when it is done."""
+    from types import SimpleNamespace
+
+    from bytescheduler.bench.common import Tracer, Turns, run_blocks
+
+    log: list = []
+
+    class Logged:
+        tuned = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def iterate(self):
+            log.append(self.name)
+
+        def flush(self):
+            pass
+
+        trace = choosing = lambda self, *a: False
+        modes = mode_verdicts = lambda self: ""
+        stats = lambda self: {}
+
+    args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, no_trace=True)
+    dirs = {name: tmp_path / name for name in "ab"}
+    threads = []
+    for name, directory in dirs.items():
+        directory.mkdir()
+        turns = Turns(str(directory), rank=0, poll_s=0.001)
+        threads.append(threading.Thread(target=run_blocks, args=({name: Logged(name)}, args, lambda: None,
+                                                                 Tracer(0), 0, turns)))
+        threads[-1].start()
+    for name in "ab":
+        assert (dirs[name] / "ready.rank0").exists()
+    for name, turn in [("b", 0), ("a", 0), ("a", 1), ("b", 1), ("b", 2), ("a", 2)]:
+        time.sleep(0.05)
+        assert not (dirs[name] / f"done-{turn}.rank0").exists()
+        (dirs[name] / f"go-{turn}").touch()
+        deadline = time.monotonic() + 10
+        while not (dirs[name] / f"done-{turn}.rank0").exists():
+            assert time.monotonic() < deadline, (name, turn)
+            time.sleep(0.001)
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+    assert log == ["b", "a", "a", "b", "b", "a"]
 
 
 def test_bench_without_mxnet_says_why(tmp_path):

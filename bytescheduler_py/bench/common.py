@@ -230,17 +230,59 @@ def link_rate(allreduce: Callable[[], None], barrier: Callable[[], None], world:
     return 2 * (world - 1) / world * LINK_MEGABYTES * 2**20 / min(times)
 
 
+class Turns:
+    """Blocks taken in turns with other jobs on the same machine (the MXNet systems, which need
+    a job each): the job's ``k``-th turn starts when the runner creates ``go-k`` in ``directory``;
+    each rank writes ``done-k.rank<r>`` when the turn is over. Before its first turn each rank
+    writes ``ready.rank<r>``. Turn 0 is the warm-up (with the mode switch's first trials), then
+    one turn per timed block. Without a directory every turn starts at once.
+    """
+
+    def __init__(self, directory: Optional[str], rank: int, poll_s: float = 0.01) -> None:
+        self.directory, self.rank, self.poll_s = directory, rank, poll_s
+        self.turn = 0
+        self._mark("ready")
+
+    def _mark(self, name: str) -> None:
+        if self.directory is not None:
+            with open(os.path.join(self.directory, f"{name}.rank{self.rank}"), "w"):
+                pass
+
+    def begin(self) -> None:
+        """Wait for this job's next turn (idle: a check every ``poll_s``)."""
+        if self.directory is None:
+            return
+        go = os.path.join(self.directory, f"go-{self.turn}")
+        while not os.path.exists(go):
+            time.sleep(self.poll_s)
+
+    def end(self) -> None:
+        self._mark(f"done-{self.turn}")
+        self.turn += 1
+
+
+def round_order(names: List[str], round_index: int) -> List[str]:
+    """The systems' order in a round: as given in even rounds, reversed in odd ones (A B, B A,
+    A B...), so that no system always runs right after another one."""
+    return list(names) if round_index % 2 == 0 else list(reversed(names))
+
+
 def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Callable[[], None], tracer: Tracer,
-               rank: int) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, List[float]], Dict[str, dict]]:
+               rank: int, turns: Optional[Turns] = None
+               ) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, List[float]], Dict[str, dict]]:
     """Warm every system up, then ``args.rounds`` rounds of one timed block per system, in turns.
 
     A barrier starts each block; the system's flush (waiting for its pending communication)
-    ends it inside the timed block. The last round is traced unless ``args.no_trace``.
+    ends it inside the timed block. The systems' order alternates (:func:`round_order`).
+    With ``turns``, the warm-up and every block wait for the job's turn (:class:`Turns`).
+    The last round is traced unless ``args.no_trace``.
     Returns seconds per iteration per block, peak RSS (MiB) per system, when this process
     is pinned to one CPU the fraction of each block that CPU was busy (1.0: the rank's core
     was the limit; empty lists when not pinned), and a profile per system: CPU milliseconds
     per iteration by thread role, operations and pieces per iteration.
     """
+    turns = turns or Turns(None, rank)
+    turns.begin()
     for system in systems.values():
         # Tuning happens in warm-up, the same number of steps on every rank.
         for _ in range(args.warmup + (args.auto_tune if system.tuned else 0)):
@@ -252,6 +294,7 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
                 break
             system.iterate()
         system.flush()
+    turns.end()
     times: Dict[str, List[float]] = {name: [] for name in systems}
     rss: Dict[str, float] = {name: 0.0 for name in systems}
     busy: Dict[str, List[float]] = {name: [] for name in systems}
@@ -259,9 +302,12 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     meter = CpuMeter(cpu)
     counted = {name: [0, 0] for name in systems}  # operations, pieces in timed blocks
     plain_steps = {name: 0 for name in systems}
+    spans: Dict[str, List[Tuple[float, float]]] = {name: [] for name in systems}  # wall-clock, per block
     progress(rank, 0, args.rounds)
     for round_index in range(args.rounds):
-        for name, system in systems.items():
+        for name in round_order(list(systems), round_index):
+            system = systems[name]
+            turns.begin()
             tracer.active = round_index == args.rounds - 1 and not args.no_trace
             system.trace(tracer.active)
             barrier()
@@ -269,11 +315,12 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
             steps_before = len(system.modes())
             busy_start = cpu_busy_seconds(cpu) if cpu is not None else 0.0
             meter.start()
-            start = time.perf_counter()
+            wall, start = time.time(), time.perf_counter()
             for _ in range(args.iters):
                 system.iterate()
             system.flush()
             elapsed = time.perf_counter() - start
+            spans[name].append((wall, wall + elapsed))
             meter.stop(name, args.iters)
             ops_end, pieces_end = _counts(system)
             counted[name][0] += ops_end - ops
@@ -283,7 +330,9 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
             if cpu is not None:
                 busy[name].append(min(1.0, (cpu_busy_seconds(cpu) - busy_start) / elapsed))
             tracer.active = False
+            system.trace(False)
             rss[name] = max(rss[name], rss_mib())
+            turns.end()
         progress(rank, round_index + 1, args.rounds)
     cpu_ms, thread_ms = meter.per_iteration_ms(), meter.per_iteration_ms(by_thread=True)
     profile = {name: {"cpu_ms_per_iteration": cpu_ms.get(name, {}),
@@ -292,7 +341,8 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
                       "pieces_per_iteration": counted[name][1] / max(1, meter.iterations.get(name, 0)),
                       "plain_fraction": (plain_steps[name] / max(1, meter.iterations.get(name, 0))
                                          if systems[name].modes() else None),
-                      "mode_verdicts": systems[name].mode_verdicts()}
+                      "mode_verdicts": systems[name].mode_verdicts(),
+                      "block_spans": spans[name]}
                for name in systems}
     return times, rss, busy, profile
 

@@ -7,7 +7,10 @@ Run by :mod:`bytescheduler.bench.runner` with the MXNet interpreter, never by ha
 - ``mxnet-scheduled``: the same with ``ScheduledKVStore("dist_sync")`` and ``kv.overlap(net)``.
 
 One system per process: in MXNet 1.9.1 a second ``dist_sync`` store in one process never
-returns from ``mx.kv.create`` (ps-lite's start barrier), so the runner alternates jobs.
+returns from ``mx.kv.create`` (ps-lite's start barrier), so the runner starts a job per
+system and the jobs take turns (``--turns``, :class:`~bytescheduler.bench.common.Turns`):
+both stay alive for the whole run, each idle while the other's block runs, so each system
+warms up (and its mode switch chooses) once, as in a user's training run.
 
 MXNet's engine runs operators asynchronously, so the compute spans cannot be read off the
 Python calls: during the traced block MXNet's profiler records when each operator ran, and
@@ -28,7 +31,7 @@ import numpy as np
 from mxnet import autograd, gluon
 
 from ..launcher import run_worker
-from .common import LINK_MEGABYTES, System, Tracer, add_arguments, link_rate, run_blocks, write_result
+from .common import LINK_MEGABYTES, System, Tracer, Turns, add_arguments, link_rate, run_blocks, write_result
 from .mxnet_models import build
 
 SYSTEMS = ("mxnet", "mxnet-scheduled")
@@ -136,6 +139,11 @@ class ScheduledGluonSystem(GluonSystem):
     def mode_switch(self):
         return self.kv.driver
 
+    def trace(self, active: bool) -> None:
+        timeline = self.kv.scheduler.timeline
+        if timeline is not None:
+            timeline.recording = active
+
     def close(self) -> None:
         self.kv.close()
 
@@ -145,6 +153,8 @@ def main(argv=None) -> int:
     add_arguments(parser)
     parser.add_argument("--link-only", action="store_true",
                         help="measure the link and nothing else (its memory would count in the system's RSS)")
+    parser.add_argument("--turns", default=None, metavar="DIR",
+                        help="take turns with other jobs through files in DIR (see common.Turns)")
     args = parser.parse_args(argv)
     if len(args.systems) != 1 or args.systems[0] not in SYSTEMS:
         parser.error(f"--systems takes one of {', '.join(SYSTEMS)} (one dist store per process)")
@@ -178,7 +188,8 @@ def main(argv=None) -> int:
         link = link_rate(pushpull, kv._barrier, kv.num_workers)
     gradient_bytes = sum(p.data().size * np.dtype(p.dtype).itemsize for p in system.params)
     systems = {} if args.link_only else {name: system}
-    times, rss, busy, profile = run_blocks(systems, args, kv._barrier, tracer, rank) if systems else ({}, {}, {}, {})
+    times, rss, busy, profile = (run_blocks(systems, args, kv._barrier, tracer, rank, Turns(args.turns, rank))
+                                 if systems else ({}, {}, {}, {}))
     if systems and not args.no_trace:
         tracer.collect(name)
     write_result(args, rank, systems, times, rss, busy, link, gradient_bytes, tracer, profile)

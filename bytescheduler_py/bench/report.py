@@ -163,8 +163,9 @@ def markdown(summary: dict, header: str) -> str:
     if settings:
         lines += ["", f"Partition/credit in use at the end (rank 0): {'; '.join(settings)}."]
     if any(name in summary["systems"] for name in ("mxnet", "mxnet-scheduled")):
-        lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet block ran as a job of its "
-                  "own (scheduler, a server and a worker per rank), alternating by round."]
+        lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet system ran as a job of its "
+                  "own (scheduler, a server and a worker per rank); the jobs stayed up together and took turns "
+                  "(each one's warm-up, then a block of each per round, the order alternating)."]
     reasons: Dict[str, List[str]] = {}
     for name, why in summary.get("left_out", {}).items():
         reasons.setdefault(why, []).append(name)

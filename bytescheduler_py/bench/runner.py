@@ -14,9 +14,11 @@ Systems run as jobs of 2 ranks (one per namespace of the testbed):
   (which cannot place ranks in namespaces): a rendezvous server in rank 0's namespace and
   the ``HOROVOD_*`` variables horovodrun would set;
 - MXNet (ps-lite, ``dist_sync``, with ``--mxnet-python``): mxnet, mxnet-scheduled. One process
-  cannot hold two ``dist_sync`` stores, so each block is a job of its own (scheduler in rank
-  0's namespace, one server and one worker per namespace), and the jobs alternate: round 1
-  of each system, round 2 of each system, ...
+  cannot hold two ``dist_sync`` stores, so each system is a job of its own (scheduler in rank
+  0's namespace, one server and one worker per namespace); the jobs stay alive together and
+  take turns: each one's warm-up, then round by round a block of each.
+
+In every job the systems' order alternates from round to round (A B, B A, ...).
 
 By default every system whose framework is available runs; the output says which were
 left out and why. A failing process (or the deadline) stops its job at once and shows
@@ -71,57 +73,71 @@ class Process:
     helper: bool = False  # serves the others until the job is over (then killed); exiting early is a failure
 
 
-def run_processes(label: str, processes: List[Process], log_dir: str, end: float,
-                   show_progress: bool = True) -> None:
-    """Run one job: start every process in a session of its own, follow the first one's output
-    (``PROGRESS`` lines as a bar), fail fast, and kill whatever is left, whatever happens."""
-    popens: List[subprocess.Popen] = []
-    logs = []
-    try:
-        for index, process in enumerate(processes):
-            log = open(os.path.join(log_dir, f"{process.name}.log"), "w")
-            logs.append(log)
-            popens.append(subprocess.Popen(
-                process.command, env=process.env, start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if index == 0 else log, stderr=log,
-            ))
-        _follow(label, processes, popens, log_dir, end, show_progress)
-    finally:
-        for popen in popens:
+class RunningJob:
+    """One job's processes, started each in a session of its own: :meth:`poll` follows the first
+    one's output (``PROGRESS`` lines as a bar) and fails fast; :meth:`stop` kills whatever is left."""
+
+    def __init__(self, label: str, processes: List[Process], log_dir: str, show_progress: bool = True) -> None:
+        self.label, self.processes, self.log_dir, self.show_progress = label, processes, log_dir, show_progress
+        self.popens: List[subprocess.Popen] = []
+        self._logs = []
+        self._buffered = ""
+        try:
+            for index, process in enumerate(processes):
+                log = open(os.path.join(log_dir, f"{process.name}.log"), "w")
+                self._logs.append(log)
+                self.popens.append(subprocess.Popen(
+                    process.command, env=process.env, start_new_session=True, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE if index == 0 else log, stderr=log,
+                ))
+            os.set_blocking(self.popens[0].stdout.fileno(), False)
+        except BaseException:
+            self.stop()
+            raise
+
+    def poll(self, end: float) -> bool:
+        """True once every process but the helpers exited with 0; raises :class:`JobFailed` when
+        one failed (or a helper exited) or past ``end``."""
+        try:
+            self._buffered += os.read(self.popens[0].stdout.fileno(), 65536).decode(errors="replace")
+        except BlockingIOError:
+            pass
+        *lines, self._buffered = self._buffered.split("\n")
+        for line in lines:
+            if line.startswith("PROGRESS "):
+                if self.show_progress:
+                    _progress(self.label, *(int(x) for x in line.split()[1].split("/")))
+            elif line.strip():
+                print(line, file=sys.stderr)
+        codes = [popen.poll() for popen in self.popens]
+        failed = [f"{process.name} exited with {code}" for process, code in zip(self.processes, codes)
+                  if code is not None and (code != 0 or process.helper)]
+        if failed:
+            raise JobFailed(f"{self.label} job failed: {', '.join(failed)}; see the logs", self.log_dir)
+        if all(code == 0 for process, code in zip(self.processes, codes) if not process.helper):
+            return True
+        if time.monotonic() > end:
+            raise JobFailed(f"{self.label} job failed: not finished within the deadline", self.log_dir)
+        return False
+
+    def stop(self) -> None:
+        for popen in self.popens:
             if popen.poll() is None:
                 os.killpg(popen.pid, signal.SIGKILL)
                 popen.wait(10)
-        for log in logs:
+        for log in self._logs:
             log.close()
 
 
-def _follow(label: str, processes: List[Process], popens: List[subprocess.Popen], log_dir: str, end: float,
-            show_progress: bool) -> None:
-    stream = popens[0].stdout.fileno()
-    os.set_blocking(stream, False)
-    buffered = ""
-    while True:
-        try:
-            buffered += os.read(stream, 65536).decode(errors="replace")
-        except BlockingIOError:
-            pass
-        *lines, buffered = buffered.split("\n")
-        for line in lines:
-            if line.startswith("PROGRESS "):
-                if show_progress:
-                    _progress(label, *(int(x) for x in line.split()[1].split("/")))
-            elif line.strip():
-                print(line, file=sys.stderr)
-        codes = [popen.poll() for popen in popens]
-        failed = [f"{process.name} exited with {code}" for process, code in zip(processes, codes)
-                  if code is not None and (code != 0 or process.helper)]
-        if failed:
-            raise JobFailed(f"{label} job failed: {', '.join(failed)}; see the logs", log_dir)
-        if all(code == 0 for process, code in zip(processes, codes) if not process.helper):
-            return
-        if time.monotonic() > end:
-            raise JobFailed(f"{label} job failed: not finished within the deadline", log_dir)
-        time.sleep(0.2)
+def run_processes(label: str, processes: List[Process], log_dir: str, end: float,
+                  show_progress: bool = True) -> None:
+    """Run one job to its end (see :class:`RunningJob`); whatever happens, nothing is left running."""
+    job = RunningJob(label, processes, log_dir, show_progress)
+    try:
+        while not job.poll(end):
+            time.sleep(0.2)
+    finally:
+        job.stop()
 
 
 def _progress(label: str, done: int, total: int) -> None:
@@ -204,12 +220,12 @@ def horovod_ranks(testbed: Testbed, module: str, options: List[str], job_dir: st
     return processes
 
 
-def mxnet_nodes(testbed: Testbed, worker: List[str], python: str) -> List[Process]:
-    """A ps-lite job: the scheduler in rank 0's namespace, a server and a worker (``worker``, a
-    command) in each rank's."""
+def mxnet_nodes(testbed: Testbed, worker: List[str], python: str, port: Optional[int] = None) -> List[Process]:
+    """A ps-lite job: the scheduler (at ``port``, default a free one) in rank 0's namespace, a
+    server and a worker (``worker``, a command) in each rank's."""
     base = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
     base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", BYTESCHEDULER_TIMELINE="",
-                DMLC_PS_ROOT_URI=testbed.master_addr, DMLC_PS_ROOT_PORT=str(free_port()),
+                DMLC_PS_ROOT_URI=testbed.master_addr, DMLC_PS_ROOT_PORT=str(port or free_port()),
                 DMLC_NUM_SERVER=str(WORLD), DMLC_NUM_WORKER=str(WORLD))
 
     def node(role: str, rank: int, command: List[str]) -> Process:
@@ -241,19 +257,57 @@ def run_horovod_job(testbed: Testbed, args: argparse.Namespace, systems: List[st
 
 def run_mxnet_jobs(testbed: Testbed, args: argparse.Namespace, systems: List[str], work_dir: str,
                    end: float) -> List[List[dict]]:
-    """Every block of every MXNet system as a job of its own, alternating by round; per job, per-rank results."""
+    """A job per MXNet system, all alive at once and taking turns (:class:`~bytescheduler.bench.common.Turns`):
+    every job's warm-up, then round by round one block per system in :func:`~bytescheduler.bench.common.round_order`;
+    per job, per-rank results (the link's job first)."""
+    from .common import round_order
+
     job_dir = _job_dir(work_dir, "mxnet-link")  # alone: its buffers would stay in a system's memory pool
     options = _worker_options(args, systems[:1], job_dir, 0, trace=False) + ["--link-only"]
-    jobs = [_run_mxnet_job(testbed, args, options, job_dir, end)]
-    total = args.rounds * len(systems)
-    _progress("mxnet", 0, total)
-    for round_index in range(args.rounds):
-        for system in systems:
-            job_dir = _job_dir(work_dir, f"mxnet-{round_index}-{system}")
-            options = _worker_options(args, [system], job_dir, 1, trace=round_index == args.rounds - 1, link=False)
-            jobs.append(_run_mxnet_job(testbed, args, options, job_dir, end))
-            _progress("mxnet", len(jobs) - 1, total)
-    return jobs
+    results = [_run_mxnet_job(testbed, args, options, job_dir, end)]
+    dirs = {system: _job_dir(work_dir, f"mxnet-{system}") for system in systems}
+    running: Dict[str, RunningJob] = {}
+    ports: List[int] = []
+    while len(ports) < len(systems):  # the jobs' schedulers share rank 0's namespace
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    try:
+        for (system, job_dir), port in zip(dirs.items(), ports):
+            os.makedirs(os.path.join(job_dir, "turns"))
+            options = _worker_options(args, [system], job_dir, args.rounds, link=False)
+            options += ["--turns", os.path.join(job_dir, "turns")]
+            worker = [args.mxnet_python, "-m", "bytescheduler.bench.mxnet_worker", *options]
+            running[system] = RunningJob("mxnet", mxnet_nodes(testbed, worker, args.mxnet_python, port), job_dir,
+                                         show_progress=False)
+        # Nobody's turn starts until every job is up (a job starting up would slow the other's).
+        _wait_for(running, [os.path.join(dirs[s], "turns", f"ready.rank{r}") for s in systems for r in range(WORLD)],
+                  end)
+        turns = [(system, 0) for system in systems]  # the warm-ups
+        turns += [(system, 1 + r) for r in range(args.rounds) for system in round_order(systems, r)]
+        total = args.rounds * len(systems)
+        _progress("mxnet", 0, total)
+        for index, (system, turn) in enumerate(turns):
+            directory = os.path.join(dirs[system], "turns")
+            with open(os.path.join(directory, f"go-{turn}"), "w"):
+                pass
+            _wait_for(running, [os.path.join(directory, f"done-{turn}.rank{r}") for r in range(WORLD)], end)
+            if turn:
+                _progress("mxnet", index + 1 - len(systems), total)
+        while not all([job.poll(end) for job in running.values()]):
+            time.sleep(0.2)
+    finally:
+        for job in running.values():
+            job.stop()
+    return results + [_read_results(dirs[system]) for system in systems]
+
+
+def _wait_for(running: Dict[str, RunningJob], paths: List[str], end: float) -> None:
+    """Until every file in ``paths`` exists, failing fast if a job fails."""
+    while not all(os.path.exists(path) for path in paths):
+        for job in running.values():
+            job.poll(end)
+        time.sleep(0.02)
 
 
 def _run_mxnet_job(testbed: Testbed, args: argparse.Namespace, options: List[str], job_dir: str,
