@@ -76,7 +76,9 @@ def test_four_noisy_steps_per_path_do_not_decide_early():
     early = ModeChooser(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0,
                         min_clear_samples=4)
     steps.update({SCHEDULED: 0, PLAIN: 0})
-    assert _drive(early, seconds, 40)[9:] == "s" * 31  # the old rule: decided after one pair
+    # The old rule decided after one pair; not decisive (19% apart), the choice is looked at
+    # again after the short hold (20 steps here), and the plain path takes over.
+    assert _drive(early, seconds, 40)[9:] == "s" * 20 + "p" * 11
     # three pairs (the pooled medians are 2% apart: no early decision), then the plain path
     assert history[:25] == "s" + "ssss" "pppp" * 3 and history[25:] == "p" * 15, history
     assert chooser.verdicts[0]["winner"] == PLAIN and not chooser.verdicts[0]["clear"]
@@ -91,6 +93,31 @@ def test_a_clear_first_choice_holds_longer_and_trials_last_long_enough():
     fast = ModeChooser(warmup=3, settle=0, trial=4, trial_seconds=0.5, max_trial=64)
     history = _drive(fast, lambda mode, step: 0.2 if step == 0 else 0.01, 200)
     assert history[:3 + 50 + 50] == "sss" + "s" * 50 + "p" * 50 and fast.trial == 50, history[:110]
+
+
+def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
+    options = dict(warmup=1, settle=0, trial=8, pairs=3, hold=40, verify_hold=10, clear_hold=4, trial_seconds=0)
+    # The schedule 13% faster: chosen after one pair (clear), not decisive: a second look after
+    # 10 steps; confirmed, the usual holds follow (40, then doubled).
+    close = ModeChooser(**options)
+    history = _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.15, 170)
+    assert history[:17] == "s" + "s" * 8 + "p" * 8, history
+    assert history[17:] .startswith("s" * 10 + "p" * 8 + "s" * 40 + "p" * 8 + "s" * 80), history
+    # 29% apart: decisive, held four times as long at once.
+    far = ModeChooser(**options)
+    history = _drive(far, lambda mode, _: 1.0 if mode == SCHEDULED else 1.4, 200)
+    assert history[17:] .startswith("s" * 160 + "p" * 8), history
+    # A wrong first look (the plain trial steps slowed by something else) is undone 10 steps later.
+    steps = {SCHEDULED: 0, PLAIN: 0}
+
+    def drifting(mode, _):
+        steps[mode] += 1
+        return 1.0 if mode == SCHEDULED else (1.15 if steps[mode] <= 8 else 0.9)
+    wrong = ModeChooser(**options)
+    history = _drive(wrong, drifting, 60)
+    assert history[17:] == "s" * 10 + "p" * 33, history
+    with pytest.raises(ValueError, match="verify_hold"):
+        ModeChooser(verify_hold=0)
 
 
 def test_differences_within_the_noise_go_to_the_plain_path():
@@ -121,8 +148,9 @@ def test_a_clear_difference_within_the_noise_times_more_pairs_before_it_decides(
 
     chooser = ModeChooser(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0)
     history = _drive(chooser, seconds, 60)
-    assert history[:1 + 8 + 8] == "s" + "ssssp" "ppp" "sssspppp" and history[17:] == "s" * 43, history
-    assert chooser.choices == 1
+    # Not decisive (14% apart): looked at again 20 steps later, then held.
+    assert history[:1 + 8 + 8] == "s" + "ssssp" "ppp" "sssspppp" and history[17:] == "s" * 20 + "pppp" + "s" * 19, history
+    assert chooser.choices == 2  # the first choice and its second look
 
 
 def test_a_faster_plain_path_wins_and_ties_go_to_the_plain_path():
