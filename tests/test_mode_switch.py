@@ -38,11 +38,11 @@ def _drive(chooser, seconds, steps, follower=None):
 
 def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confirmed():
     chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1)
-    history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 100)
+    history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 108)
     # warm-up 2 (a decision point: trials of 3 steps), scheduled trial 3, plain trial 1+3,
-    # decided at once (30% apart): hold 1+10, re-trial of plain 1+3, confirmed: hold 1+20,
-    # re-trial, hold 1+40 (the cap), ...
-    assert history.startswith("sssss" + "pppp" + "s" * 11 + "pppp" + "s" * 21 + "pppp" + "s" * 41), history
+    # decided at once (30% apart): hold 1+10, re-trial of plain 1+3, back 1+3, confirmed:
+    # hold 20, re-trial, back, hold 40 (the cap), ...
+    assert history.startswith("sssss" + "pppp" + "s" * 11 + "pppp" + "s" * (4 + 20) + "pppp" + "s" * (4 + 40)), history
     assert chooser.decisions == 5 and chooser.choices == 4
 
 
@@ -53,7 +53,7 @@ def test_every_choice_is_kept_with_the_step_times_behind_it():
     assert first["kind"] == "trials" and first["winner"] == SCHEDULED and first["clear"] and first["told_apart"]
     assert first["scheduled_s"] == [1.0, 1.0, 1.0] and first["plain_s"] == [1.3, 1.3, 1.3]  # the settle step untimed
     assert retrial["kind"] == "re-trial" and retrial["winner"] == SCHEDULED and retrial["plain_s"] == [1.3] * 3
-    assert [v["step"] for v in chooser.verdicts[:2]] == [9, 24]  # the steps ended when each was made
+    assert [v["step"] for v in chooser.verdicts[:2]] == [9, 28]  # the steps ended when each was made
     assert len(chooser.verdicts) == chooser.choices
 
 
@@ -78,7 +78,7 @@ def test_four_noisy_steps_per_path_do_not_decide_early():
     steps.update({SCHEDULED: 0, PLAIN: 0})
     # The old rule decided after one pair; not decisive (19% apart), the choice is looked at
     # again after the short hold (20 steps here), and the plain path takes over.
-    assert _drive(early, seconds, 40)[9:] == "s" * 20 + "p" * 11
+    assert _drive(early, seconds, 40)[9:] == "s" * 20 + "p" * 4 + "s" * 4 + "p" * 3
     # three pairs (the pooled medians are 2% apart: no early decision), then the plain path
     assert history[:25] == "s" + "ssss" "pppp" * 3 and history[25:] == "p" * 15, history
     assert chooser.verdicts[0]["winner"] == PLAIN and not chooser.verdicts[0]["clear"]
@@ -100,9 +100,10 @@ def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
     # The schedule 13% faster: chosen after one pair (clear), not decisive: a second look after
     # 10 steps; confirmed, the usual holds follow (40, then doubled).
     close = ModeChooser(**options)
-    history = _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.15, 170)
+    history = _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.15, 200)
     assert history[:17] == "s" + "s" * 8 + "p" * 8, history
-    assert history[17:] .startswith("s" * 10 + "p" * 8 + "s" * 40 + "p" * 8 + "s" * 80), history
+    # (each re-trial is followed by as many steps back on the held path, then the verdict)
+    assert history[17:] .startswith("s" * 10 + "p" * 8 + "s" * (8 + 40) + "p" * 8 + "s" * (8 + 80)), history
     # 29% apart: decisive, held four times as long at once.
     far = ModeChooser(**options)
     history = _drive(far, lambda mode, _: 1.0 if mode == SCHEDULED else 1.4, 200)
@@ -115,7 +116,7 @@ def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
         return 1.0 if mode == SCHEDULED else (1.15 if steps[mode] <= 8 else 0.9)
     wrong = ModeChooser(**options)
     history = _drive(wrong, drifting, 60)
-    assert history[17:] == "s" * 10 + "p" * 33, history
+    assert history[17:] == "s" * 10 + "p" * 8 + "s" * 8 + "p" * 17, history
     with pytest.raises(ValueError, match="verify_hold"):
         ModeChooser(verify_hold=0)
 
@@ -166,10 +167,11 @@ def test_a_retrial_switches_when_the_situation_changed():
     chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1)
     # The plain path is faster until step 12, then (a slower link) the scheduled one is.
     history = _drive(chooser, lambda mode, step: (1.0 if step < 12 else 2.0) if mode == PLAIN else 1.5, 40)
-    # Plain held (steps 5-10), re-trial of the schedule (11-12), plain confirmed and held
-    # twice as long (13-24) while it became slower, re-trial (25-26): the schedule wins.
-    assert history[:27] == "sss" "pp" "pppppp" "ss" + "p" * 12 + "ss", history
-    assert history[27:33] == "ssssss" and chooser.mode == SCHEDULED, history
+    # Plain held (steps 5-10), re-trial of the schedule (11-12), back on plain (13-14, now
+    # slower): against the plain steps before (1.0) and after (2.0) it, a tie: plain held twice
+    # as long (15-26); re-trial (27-28), back (29-30): the schedule wins and is held.
+    assert history == "sss" "pp" "pppppp" "ss" "pp" + "p" * 12 + "ss" "pp" + "s" * 6 + "pp" "s", history
+    assert chooser.mode == SCHEDULED
 
 
 def test_followers_run_the_same_modes_from_rank_0_proposals_only():
@@ -190,7 +192,7 @@ def test_stop_fixes_the_scheduled_path_and_continue_is_only_for_trials():
     while not held.end_step():
         pass
     held.adopt(CHOOSE_PLAIN)
-    for _ in range(3):  # hold 2, re-trial 1
+    for _ in range(4):  # hold 2, re-trial 1, back 1
         decision = held.end_step()
     assert decision
     with pytest.raises(ValueError, match="CONTINUE"):

@@ -137,13 +137,13 @@ def test_a_plan_replaces_the_defaults_and_explicit_settings_win(tmp_path):
 def test_a_plain_start_holds_the_plain_path_then_tries_the_schedule():
     chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=3, start=PLAIN)
     times = {SCHEDULED: 0.5, PLAIN: 1.0}
-    for _ in range(8):
+    for _ in range(10):
         chooser.record(times[chooser.mode])
         if chooser.end_step():
             chooser.adopt(chooser.propose())
-    # 3 plain steps (the plan's hold, no warm-up, no trials), the scheduled re-trial (2), then
-    # the faster scheduled path is held.
-    assert "".join(m[0] for m in chooser.history) == "ppp" "ss" "sss"
+    # 3 plain steps (the plan's hold, no warm-up, no trials), the scheduled re-trial (2), back
+    # on plain (2), then the faster scheduled path is held.
+    assert "".join(m[0] for m in chooser.history) == "ppp" "ss" "pp" "sss"
     assert chooser.choices == 2
     with pytest.raises(ValueError, match="start must be"):
         ModeChooser(start="fast")

@@ -43,7 +43,7 @@ MODES = (SCHEDULED, PLAIN)
 CONTINUE, CHOOSE_SCHEDULED, CHOOSE_PLAIN, STOP = 0, 1, 2, 3
 _CHOICE = {SCHEDULED: CHOOSE_SCHEDULED, PLAIN: CHOOSE_PLAIN}
 
-_WARMUP, _TRIAL, _HOLD, _RETRIAL, _FIXED = "warmup", "trial", "hold", "retrial", "fixed"
+_WARMUP, _TRIAL, _HOLD, _RETRIAL, _BACK, _FIXED = "warmup", "trial", "hold", "retrial", "back", "fixed"
 
 # ModeChooser's keyword arguments for the chooser of every adapter (:func:`new_chooser`);
 # tests shorten its phases to see many switches in a few steps.
@@ -82,8 +82,11 @@ class ModeChooser:
         pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
             difference larger than ``clear`` decides at once if it is also larger than the
             noise (otherwise the next pair is timed, and the samples of all pairs pool).
-        hold: steps the faster path runs before the slower one is tried again; doubled each
-            time the re-trial confirms the choice, up to ``max_hold``. A first choice by a
+        hold: steps the faster path runs before the slower one is tried again (one trial of
+            it, then one of the held path again: the re-trial is compared with the held path's
+            steps just before and just after it, so a machine that slows down or speeds up
+            meanwhile weighs on both sides); doubled each time the re-trial confirms the
+            choice, up to ``max_hold``. A first choice by a
             difference larger than ``decisive`` (a fraction of the slower path's step) and than
             the noise holds ``clear_hold`` times as long (a re-trial of a much slower path costs
             the most, and its verdict is least in doubt). Any other first choice is looked at
@@ -134,7 +137,8 @@ class ModeChooser:
         self._trials: Dict[str, List[float]] = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._hold = hold
-        self._held: List[float] = []  # the hold's last timed steps (the re-trial's reference)
+        self._held: List[float] = []  # the hold's last timed steps (half the re-trial's reference)
+        self._retried: List[float] = []  # the re-trial's timed steps, while the held mode runs again
         if start not in MODES:
             raise ValueError(f"start must be {SCHEDULED!r} or {PLAIN!r}, not {start!r}")
         if start == PLAIN:
@@ -175,7 +179,11 @@ class ModeChooser:
         if self._phase == _TRIAL:
             self._trials[PLAIN] += self._samples
             self._pairs_run += 1
-        return True  # the warm-up, a trial pair or a re-trial is complete
+        if self._phase == _RETRIAL:  # back to the held mode, timed as the other half of the reference
+            self._retried = self._samples
+            self._start(_BACK, _other(self.mode), self.trial)
+            return False
+        return True  # the warm-up, a trial pair or a re-trial (and the steps back) is complete
 
     def adopt(self, proposal: int) -> None:
         """Apply rank 0's :meth:`propose` at a decision point (on every rank alike)."""
@@ -194,8 +202,8 @@ class ModeChooser:
         chosen = SCHEDULED if code == CHOOSE_SCHEDULED else PLAIN
         self.choices += 1
         hold = None
-        if self._phase == _RETRIAL:
-            confirmed = chosen != self.mode  # the re-trial ran the other mode
+        if self._phase == _BACK:
+            confirmed = chosen == self.mode  # back on the held mode after the re-trial
             grown = self.first_hold if self._verifying else min(self._hold * 2, self.max_hold)
             self._hold = grown if confirmed else self.first_hold
         elif extra == CLEAR:
@@ -205,7 +213,7 @@ class ModeChooser:
         self._verifying = hold is not None and hold < self.first_hold
         self._trials = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
-        self._held = []
+        self._held, self._retried = [], []
         self._start(_HOLD, chosen, self._hold if hold is None else hold)
 
     def _start(self, phase: str, mode: str, length: int) -> None:
@@ -234,10 +242,13 @@ class ModeChooser:
             step = _median(self._samples[1:] or self._samples)  # the first step is the slowest
             steps = self.min_trial if not step else math.ceil(self.trial_seconds / step)
             return encode(CONTINUE, max(self.min_trial, min(self.max_trial, steps)))
-        if self._phase == _RETRIAL:
-            if not self._held or not self._samples:
-                return _CHOICE[_other(self.mode)]  # nothing to compare: back to the held mode
-            samples = {self.mode: self._samples, _other(self.mode): self._held}
+        if self._phase == _BACK:
+            # The held mode's steps just before the re-trial and just after it, against the
+            # re-trial's: a machine that slows down or speeds up meanwhile weighs on both sides.
+            held = self._held[-self.trial:] + self._samples
+            if not held or not self._retried:
+                return _CHOICE[self.mode]  # nothing to compare: stay on the held mode
+            samples = {self.mode: held, _other(self.mode): self._retried}
             winner, told_apart = self._verdict(samples)
             self._note("re-trial", samples, winner, told_apart, False)
             return _CHOICE[winner]
