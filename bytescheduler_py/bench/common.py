@@ -230,6 +230,19 @@ def link_rate(allreduce: Callable[[], None], barrier: Callable[[], None], world:
     return 2 * (world - 1) / world * LINK_MEGABYTES * 2**20 / min(times)
 
 
+def record_timeline(scheduler: object, active: bool) -> None:
+    """Let ``scheduler``'s timeline (if it has one) record only while ``active`` (the traced round)."""
+    timeline = getattr(scheduler, "timeline", None)
+    if timeline is not None:
+        timeline.recording = active
+
+
+def touch(path: str) -> None:
+    """Create the empty file ``path`` (the turns' signals between the runner and the jobs)."""
+    with open(path, "w"):
+        pass
+
+
 class Turns:
     """Blocks taken in turns with other jobs on the same machine (the MXNet systems, which need
     a job each): the job's ``k``-th turn starts when the runner creates ``go-k`` in ``directory``;
@@ -245,8 +258,7 @@ class Turns:
 
     def _mark(self, name: str) -> None:
         if self.directory is not None:
-            with open(os.path.join(self.directory, f"{name}.rank{self.rank}"), "w"):
-                pass
+            touch(os.path.join(self.directory, f"{name}.rank{self.rank}"))
 
     def begin(self) -> None:
         """Wait for this job's next turn (idle: a check every ``poll_s``)."""

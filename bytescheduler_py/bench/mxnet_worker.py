@@ -31,7 +31,8 @@ import numpy as np
 from mxnet import autograd, gluon
 
 from ..launcher import run_worker
-from .common import LINK_MEGABYTES, System, Tracer, Turns, add_arguments, link_rate, run_blocks, write_result
+from .common import (LINK_MEGABYTES, System, Tracer, Turns, add_arguments, link_rate, record_timeline, run_blocks,
+                     write_result)
 from .mxnet_models import build
 
 SYSTEMS = ("mxnet", "mxnet-scheduled")
@@ -140,9 +141,7 @@ class ScheduledGluonSystem(GluonSystem):
         return self.kv.driver
 
     def trace(self, active: bool) -> None:
-        timeline = self.kv.scheduler.timeline
-        if timeline is not None:
-            timeline.recording = active
+        record_timeline(self.kv.scheduler, active)
 
     def close(self) -> None:
         self.kv.close()

@@ -40,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from .common import round_order, touch
 from .models import MODELS
 from .report import merge, report
 from ..launcher import free_port
@@ -260,8 +261,6 @@ def run_mxnet_jobs(testbed: Testbed, args: argparse.Namespace, systems: List[str
     """A job per MXNet system, all alive at once and taking turns (:class:`~bytescheduler.bench.common.Turns`):
     every job's warm-up, then round by round one block per system in :func:`~bytescheduler.bench.common.round_order`;
     per job, per-rank results (the link's job first)."""
-    from .common import round_order
-
     job_dir = _job_dir(work_dir, "mxnet-link")  # alone: its buffers would stay in a system's memory pool
     options = _worker_options(args, systems[:1], job_dir, 0, trace=False) + ["--link-only"]
     results = [_run_mxnet_job(testbed, args, options, job_dir, end)]
@@ -277,8 +276,7 @@ def run_mxnet_jobs(testbed: Testbed, args: argparse.Namespace, systems: List[str
             os.makedirs(os.path.join(job_dir, "turns"))
             options = _worker_options(args, [system], job_dir, args.rounds, link=False)
             options += ["--turns", os.path.join(job_dir, "turns")]
-            worker = [args.mxnet_python, "-m", "bytescheduler.bench.mxnet_worker", *options]
-            running[system] = RunningJob("mxnet", mxnet_nodes(testbed, worker, args.mxnet_python, port), job_dir,
+            running[system] = RunningJob("mxnet", _mxnet_job(args, testbed, options, port), job_dir,
                                          show_progress=False)
         # Nobody's turn starts until every job is up (a job starting up would slow the other's).
         _wait_for(running, [os.path.join(dirs[s], "turns", f"ready.rank{r}") for s in systems for r in range(WORLD)],
@@ -289,8 +287,7 @@ def run_mxnet_jobs(testbed: Testbed, args: argparse.Namespace, systems: List[str
         _progress("mxnet", 0, total)
         for index, (system, turn) in enumerate(turns):
             directory = os.path.join(dirs[system], "turns")
-            with open(os.path.join(directory, f"go-{turn}"), "w"):
-                pass
+            touch(os.path.join(directory, f"go-{turn}"))
             _wait_for(running, [os.path.join(directory, f"done-{turn}.rank{r}") for r in range(WORLD)], end)
             if turn:
                 _progress("mxnet", index + 1 - len(systems), total)
@@ -313,9 +310,15 @@ def _wait_for(running: Dict[str, RunningJob], paths: List[str], end: float) -> N
 def _run_mxnet_job(testbed: Testbed, args: argparse.Namespace, options: List[str], job_dir: str,
                    end: float) -> List[dict]:
     """A ps-lite job: the scheduler in rank 0's namespace, a server and a worker per rank's."""
-    worker = [args.mxnet_python, "-m", "bytescheduler.bench.mxnet_worker", *options]
-    run_processes("mxnet", mxnet_nodes(testbed, worker, args.mxnet_python), job_dir, end, show_progress=False)
+    run_processes("mxnet", _mxnet_job(args, testbed, options), job_dir, end, show_progress=False)
     return _read_results(job_dir)
+
+
+def _mxnet_job(args: argparse.Namespace, testbed: Testbed, options: List[str],
+               port: Optional[int] = None) -> List[Process]:
+    """The processes of a bench ps-lite job whose workers run ``mxnet_worker`` with ``options``."""
+    worker = [args.mxnet_python, "-m", "bytescheduler.bench.mxnet_worker", *options]
+    return mxnet_nodes(testbed, worker, args.mxnet_python, port)
 
 
 def _problem(command: List[str], env: Optional[Dict[str, str]] = None) -> Optional[str]:

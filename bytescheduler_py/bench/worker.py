@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .models import build
 from . import common
-from .common import LINK_MEGABYTES, Tracer, add_arguments, link_rate, run_blocks, write_result
+from .common import LINK_MEGABYTES, Tracer, add_arguments, link_rate, record_timeline, run_blocks, write_result
 
 
 class System(common.System):
@@ -83,7 +83,7 @@ class Scheduled(System):
         return self.optimizer._bytescheduler.scheduler.stats
 
     def trace(self, active: bool) -> None:
-        _record(self.optimizer._bytescheduler.scheduler, active)
+        record_timeline(self.optimizer._bytescheduler.scheduler, active)
 
     def mode_switch(self):
         return self.optimizer._bytescheduler._switch
@@ -102,18 +102,13 @@ class HookedDDP(System):
         return self.state.scheduler.stats
 
     def trace(self, active: bool) -> None:
-        _record(self.state.scheduler, active)
+        record_timeline(self.state.scheduler, active)
 
     def mode_switch(self):
         return self.state.driver
 
     def close(self) -> None:
         self.state.close()
-
-
-def _record(scheduler, active: bool) -> None:
-    if scheduler.timeline is not None:
-        scheduler.timeline.recording = active
 
 
 def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
