@@ -135,7 +135,8 @@ class ScheduledGluonSystem(GluonSystem):
         mx.nd.waitall()
 
     def stats(self) -> dict:
-        return self.kv.scheduler.stats
+        # The server grain rank 0 chose at the first init, and its probe of the link (bytes/s).
+        return dict(self.kv.scheduler.stats, grain_bytes=self.kv.grain_bytes, store_link_rate=self.kv.link_rate)
 
     def mode_switch(self):
         return self.kv.driver

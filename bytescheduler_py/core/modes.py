@@ -282,14 +282,15 @@ class ModeChooser:
         return PLAIN, plain < scheduled * (1.0 - margin)
 
 
-def new_chooser(start_plain: bool = False) -> ModeChooser:
-    """The chooser an adapter's mode switch starts with (:data:`CHOOSER_OPTIONS`); with
+def new_chooser(start_plain: bool = False, **adapter: Any) -> ModeChooser:
+    """The chooser an adapter's mode switch starts with: the adapter's own :class:`ModeChooser`
+    settings (``adapter``, e.g. ``settle``), :data:`CHOOSER_OPTIONS` over them; with
     ``start_plain`` (a plan's advice) it starts on the plain path.
 
-    >>> new_chooser(start_plain=True).mode
-    'plain'
+    >>> new_chooser(start_plain=True).mode, new_chooser(settle=2).settle
+    ('plain', 2)
     """
-    return ModeChooser(**dict(CHOOSER_OPTIONS, start=PLAIN if start_plain else SCHEDULED))
+    return ModeChooser(**dict(adapter, **CHOOSER_OPTIONS, start=PLAIN if start_plain else SCHEDULED))
 
 
 def _median(values: List[float]) -> Optional[float]:

@@ -3,6 +3,7 @@
 
 * :mod:`~bytescheduler.mxnet.kvstore`: the facade, MXNet's KVStore API.
 * :mod:`~bytescheduler.mxnet.keys`: user keys as sub-keys of one grain on the servers.
+* :mod:`~bytescheduler.mxnet.grain`: the grain, chosen at the first ``init`` from a probe of the link.
 * :mod:`~bytescheduler.mxnet.backend`: the threads that call the inner store, in rank 0's order.
 * :mod:`~bytescheduler.mxnet.overlap`: the forward pre-hooks of ``kv.overlap(net)``.
 

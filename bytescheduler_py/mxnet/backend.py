@@ -31,7 +31,6 @@ until it completed; that includes waiting for the key's previous operation.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -48,7 +47,7 @@ from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationT
 from ..core.scheduler import Scheduler
 from ..core.task import Operation
 from ..core.tcp_channel import TcpOrderChannel, local_address
-from .keys import KeyInfo, flat, mx_args
+from .keys import KeyInfo, flat, mx_args, rank0_json
 
 # Room for rank 0's settings (JSON) in the exchange of its ordering address.
 _SETTINGS_BYTES = 1024
@@ -174,35 +173,25 @@ class KVBackend:
         """Run ``fn`` on the kv thread and return its result (``what`` names it in a timeout)."""
         return self._kv.call(fn, self.timeout, what)
 
-    def connect_channel(self, channel: TcpOrderChannel, key: Any, settings: SchedulerConfig) -> SchedulerConfig:
+    def connect_channel(self, channel: TcpOrderChannel, key: Any, settings: SchedulerConfig,
+                        grain: Optional[int]) -> Tuple[SchedulerConfig, Optional[int]]:
         """Connect every worker to rank 0's ordering channel (collective: the first init/broadcast)
-        and return rank 0's ``settings``.
+        and return rank 0's ``settings`` and ``grain`` (None: rank 0 probes the link for it).
 
-        Rank 0's address and its settings (as JSON, a byte per float32) go through the store
-        itself, under the reserved ``key``: only rank 0's ``init`` value is kept.
+        Rank 0's address, settings and grain go through the store itself, as JSON under the
+        reserved ``key`` (:func:`~bytescheduler.mxnet.keys.rank0_json`).
         """
-        words = [0.0] * (6 + _SETTINGS_BYTES)
+        sent = None
         if self._rank == 0:
-            port = channel.serve(self._num_workers)
-            host = local_address(os.environ.get("DMLC_PS_ROOT_URI"))
-            encoded = json.dumps({field: getattr(settings, field) for field in FROM_RANK_0}).encode()
-            if len(encoded) > _SETTINGS_BYTES:
-                raise ValueError(f"rank 0's settings take {len(encoded)} bytes, more than {_SETTINGS_BYTES}")
-            words[:6 + len(encoded)] = [int(part) for part in host.split(".")] + [port, len(encoded)] + list(encoded)
-
-        def exchange() -> List[int]:
-            self._inner.init(key, mx.nd.array(words, dtype="float32"))
-            found = mx.nd.zeros((len(words),), dtype="float32")
-            self._inner.pull(key, out=found)
-            return [int(x) for x in found.asnumpy()]
-
-        found = self.call(exchange, "exchanging rank 0's ordering address")
+            sent = {"host": local_address(os.environ.get("DMLC_PS_ROOT_URI")), "port": channel.serve(self._num_workers),
+                    "settings": {field: getattr(settings, field) for field in FROM_RANK_0}, "grain": grain}
+        found = self.call(lambda: rank0_json(self._inner, key, sent, _SETTINGS_BYTES),
+                          "exchanging rank 0's ordering address")
         if self._rank == 0:
             channel.accept()
         else:
-            channel.join((".".join(str(x) for x in found[:4]), found[4]))
-        leader = json.loads(bytes(found[6:6 + found[5]]).decode())
-        return settings.with_options(**leader)
+            channel.join((found["host"], found["port"]))
+        return settings.with_options(**found["settings"]), found["grain"]
 
     def launch(self, op: Operation, done: Done) -> None:
         try:

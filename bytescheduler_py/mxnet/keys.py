@@ -21,6 +21,7 @@ optimizers (LARS, LAMB), which would be wrong across sub-keys, are refused
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mxnet as mx
@@ -37,9 +38,15 @@ _MAX_INT_KEY = (2**31 - 1) // 9973
 ORDER_KEY_INT = _MAX_INT_KEY
 ORDER_KEY_STR = "__bytescheduler_order__"
 # Reserved int keys just below it, one per decision of the mode switch (mxnet/plain.py):
-# a key cannot be initialised twice. Sub-keys stay below them.
+# a key cannot be initialised twice.
 DECISION_KEYS = 16_384
-_SUBKEY_LIMIT = ORDER_KEY_INT - DECISION_KEYS
+# Then the link probe's key and the key that carries rank 0's grain (mxnet/grain.py), the
+# first init's. Sub-keys stay below them all.
+PROBE_KEY_INT = ORDER_KEY_INT - DECISION_KEYS - 1
+GRAIN_KEY_INT = ORDER_KEY_INT - DECISION_KEYS - 2
+_SUBKEY_LIMIT = GRAIN_KEY_INT
+_RESERVED_STR = {"order": ORDER_KEY_STR, "probe": "__bytescheduler_probe__", "grain": "__bytescheduler_grain__"}
+_RESERVED_INT = {"order": ORDER_KEY_INT, "probe": PROBE_KEY_INT, "grain": GRAIN_KEY_INT}
 
 _NORM_OPTIMIZERS = ("lars", "lamb")
 # Checked arrays a key remembers (gluon uses two or three per key: gradient, weight, copies per device).
@@ -69,6 +76,28 @@ def flat(arr: Any, start: int, stop: int) -> Any:
     if start == 0 and stop == whole.shape[0]:
         return whole
     return whole[start:stop]
+
+
+def rank0_words(inner: Any, key: Any, words: Sequence[float]) -> List[float]:
+    """Rank 0's ``words`` (float32) on every worker of ``inner``, a dist store: every worker
+    ``init``-s the reserved ``key`` (collective; only rank 0's value is kept) and pulls it."""
+    inner.init(key, mx.nd.array(list(words), dtype="float32"))
+    found = mx.nd.zeros((len(words),), dtype="float32")
+    inner.pull(key, out=found)
+    return [float(x) for x in found.asnumpy()]
+
+
+def rank0_json(inner: Any, key: Any, value: Any, size: int) -> Any:
+    """Rank 0's ``value`` (JSON-able; ignored elsewhere) on every worker, through the reserved
+    ``key`` as one float32 per byte of its JSON, at most ``size`` bytes (see :func:`rank0_words`)."""
+    words = [0.0] * (1 + size)
+    if inner.rank == 0:
+        encoded = json.dumps(value).encode()
+        if len(encoded) > size:
+            raise ValueError(f"rank 0's {key!r} takes {len(encoded)} bytes, more than {size}")
+        words[:1 + len(encoded)] = [len(encoded)] + list(encoded)
+    found = [int(x) for x in rank0_words(inner, key, words)]
+    return json.loads(bytes(found[1:1 + found[0]]).decode())
 
 
 def mx_args(keys: Sequence[Any], arrays: List[List[Any]]) -> Tuple[Any, Any]:
@@ -153,8 +182,8 @@ class KeyLayout:
     keys in the same order, so they allocate the same sub-keys and the same task indices.
     """
 
-    def __init__(self, grain_bytes: int) -> None:
-        self.grain_bytes = grain_bytes
+    def __init__(self, grain_bytes: Optional[int]) -> None:
+        self.grain_bytes = grain_bytes  # None until decided (mxnet/grain.py), before the first key
         self._keys: Dict[Any, KeyInfo] = {}
         self._kind: Optional[type] = None  # int or str, once the first key is registered
         self._next_subkey = SUBKEY_BASE
@@ -163,11 +192,18 @@ class KeyLayout:
         """Every registered key, in registration order."""
         return list(self._keys.values())
 
-    @property
-    def order_key(self) -> Any:
-        """The reserved key for rank 0's ordering address, of the user's key type (MXNet
-        cannot mix int and str keys)."""
-        return ORDER_KEY_STR if self._kind is str else ORDER_KEY_INT
+    def decide(self, grain_bytes: int) -> None:
+        """Fix the grain (before the first key is registered)."""
+        if self._keys:
+            raise RuntimeError("the grain is fixed once keys exist")
+        self.grain_bytes = grain_bytes
+
+    @staticmethod
+    def reserved_key(name: str, kind: Optional[type]) -> Any:
+        """The reserved key ``name`` (``"order"``: rank 0's ordering address and settings;
+        ``"probe"``, ``"grain"``: the first init's link probe and rank 0's grain) of the user's
+        key type ``kind`` (MXNet cannot mix int and str keys; None: int)."""
+        return (_RESERVED_STR if kind is str else _RESERVED_INT)[name]
 
     def check_keys(self, keys: Sequence[Any]) -> Optional[type]:
         """Check the keys' types and range (every key of a call, before anything is done).
@@ -197,12 +233,9 @@ class KeyLayout:
             raise KeyError(f"key {key!r} was not initialised: call init(key, value) or broadcast first")
         return info
 
-    def register(self, pairs: List[Tuple[Any, Any]], sent_optimizer: Any = None) -> List[KeyInfo]:
-        """Check every new (key, value) of a call, then record them all with their sub-keys.
-
-        Nothing is recorded when one is wrong, including a split key that
-        ``sent_optimizer`` (the one the servers already run, if any) cannot update.
-        """
+    def check_new(self, pairs: List[Tuple[Any, Any]]) -> Tuple[Optional[type], List[Any]]:
+        """Check every new (key, value) of a call; return their type (int, str, None for no
+        keys) and the keys as stored. Records nothing."""
         kind = self.check_keys([key for key, _ in pairs])
         keys = [key if isinstance(key, str) else int(key) for key, _ in pairs]
         for key, (_, value) in zip(keys, pairs):
@@ -213,6 +246,17 @@ class KeyLayout:
                 raise TypeError(f"value for key {key!r} must be an NDArray, not {type(value).__name__}")
             if value.stype != "default":
                 raise NotImplementedError("ScheduledKVStore supports dense arrays only")
+        return kind, keys
+
+    def register(self, pairs: List[Tuple[Any, Any]], sent_optimizer: Any = None) -> List[KeyInfo]:
+        """Check every new (key, value) of a call, then record them all with their sub-keys.
+
+        Nothing is recorded when one is wrong, including a split key that
+        ``sent_optimizer`` (the one the servers already run, if any) cannot update.
+        """
+        if self.grain_bytes is None:
+            raise RuntimeError("the grain is not decided yet")
+        kind, keys = self.check_new(pairs)
         infos = []
         for key, (_, value) in zip(keys, pairs):
             numel = int(np.prod(value.shape)) if value.shape else 1

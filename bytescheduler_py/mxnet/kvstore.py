@@ -28,8 +28,9 @@ instead. As a consequence, every worker must push a key before any worker waits 
 of every data-parallel loop; ``init`` and ``broadcast`` are collective as in MXNet).
 
 This module is the facade. The work is done by :mod:`~bytescheduler.mxnet.keys` (user keys as
-sub-keys of one grain on the servers), :mod:`~bytescheduler.mxnet.backend` (the threads that call
-the inner store, the order on every worker and within a key) and
+sub-keys of one grain on the servers), :mod:`~bytescheduler.mxnet.grain` (the grain, chosen at
+the first ``init`` from a probe of the link unless given), :mod:`~bytescheduler.mxnet.backend`
+(the threads that call the inner store, the order on every worker and within a key) and
 :mod:`~bytescheduler.mxnet.overlap` (the forward pre-hooks).
 
 Limitations: sparse arrays, ``row_sparse_pull`` and gradient compression on partitioned keys are
@@ -56,7 +57,8 @@ from ..core.modes import ModeDriver
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel
 from .backend import Job, JobQueue, KVBackend
-from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_optimizer, key_pairs
+from .grain import COARSE_SERVERS, choose_grain, probe_rate
+from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_optimizer, key_pairs, rank0_json
 from .overlap import ForwardOverlap
 from .plain import StoreModes
 
@@ -137,7 +139,11 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
     Args:
         store: an ``mx.kv.KVStore`` or a store type string such as ``"dist_sync"``.
         grain_bytes: size of the sub-keys large keys are split into on the servers, and the
-            smallest partition size allowed during the run (default ``partition_bytes``).
+            smallest partition size allowed during the run. Default: ``partition_bytes`` when
+            one is given (as an option, in the environment, a plan or ``config``); with none,
+            rank 0 chooses it at the first ``init`` from a probe of the link to the servers
+            (:mod:`bytescheduler.mxnet.grain`: 4 MiB sub-keys on 1-2 servers on a slow link,
+            64 MiB, MXNet's own keys in practice, on a fast one). Every worker uses rank 0's.
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
             ``timeout=``, ``auto_tune=``, ``timeline=``, ...; see
             :class:`~bytescheduler.core.config.SchedulerConfig`); rank 0's count. Unset ones come
@@ -161,9 +167,16 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                              "into one transfer; leave merge unset")
         defaults = store_defaults(num_servers()) if "dist" in str(getattr(store, "type", store)).lower() \
             else KVSTORE_DEFAULTS
-        config = SchedulerConfig.build(config, defaults=defaults, **options).with_options(merge=False)
-        grain = config.partition_bytes if grain_bytes is None else parse_size(grain_bytes, "grain_bytes")
-        if grain > config.partition_bytes:
+        given = config
+        config = SchedulerConfig.build(given, defaults=defaults, **options).with_options(merge=False)
+        # The partition was chosen (an option, the environment, a plan, a config) unless it
+        # follows a change of the default's.
+        moved = replace(defaults, partition_bytes=defaults.partition_bytes + 1)
+        partition_given = given is not None or \
+            SchedulerConfig.build(None, defaults=moved, **options).partition_bytes == config.partition_bytes
+        grain = parse_size(grain_bytes, "grain_bytes") if grain_bytes is not None else \
+            config.partition_bytes if partition_given else None
+        if grain is not None and grain > config.partition_bytes:
             raise ValueError(f"grain_bytes={grain} is larger than partition_bytes={config.partition_bytes}; "
                              "a piece holds whole grains, so the grain must not exceed the partition size")
         inner = _inner_store(store)
@@ -172,7 +185,11 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._rank = inner.rank
         self._num_workers = inner.num_workers
         self._scheduled = "dist" in self._type
-        self._layout = KeyLayout(grain)
+        # A dist store's grain is rank 0's, decided at the first init (_start; grain.py): its
+        # own choice, or, with none (None), from a probe of the link.
+        self._grain_choice = grain
+        self._link_rate: Optional[float] = None
+        self._layout = KeyLayout(None if self._scheduled else (grain or config.partition_bytes))
         self._partition_bytes = config.partition_bytes  # local stores only; dist ones ask the scheduler
         self._closed = False
         self._close_lock = threading.Lock()
@@ -185,7 +202,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._channel = TcpOrderChannel(self._rank, config.timeout) if self._num_workers > 1 else None
         # A piece holds whole sub-keys: the tuner's search stays at or above the grain.
         self._scheduler = Scheduler(self._backend, channel=self._channel, rank=self._rank, config=config,
-                                    tuning={"min_partition_bytes": grain})
+                                    tuning={"min_partition_bytes": grain or config.partition_bytes})
         self._jobs = JobQueue(self._scheduler, self._rank, config.timeout)
         self._modes = StoreModes(inner, self._rank, self._num_workers, self._layout, self._scheduler, self.synchronize,
                                  self._jobs.wait_done)
@@ -224,9 +241,19 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         return self._scheduler.config.partition_bytes if self._scheduled else self._partition_bytes
 
     @property
-    def grain_bytes(self) -> int:
-        """The size of the sub-keys on the servers, fixed for the run."""
+    def grain_bytes(self) -> Optional[int]:
+        """The size of the sub-keys on the servers, fixed for the run at the first ``init`` of a
+        dist store (rank 0's, see :mod:`bytescheduler.mxnet.grain`); before it, the grain this
+        worker asks for, None when rank 0 is to choose it from a probe of the link."""
+        if self._layout.grain_bytes is None:
+            return self._grain_choice
         return self._layout.grain_bytes
+
+    @property
+    def link_rate(self) -> Optional[float]:
+        """The push+pull rate (bytes per second) rank 0's probe measured at the first ``init``
+        on this worker, None when the grain was given (no probe)."""
+        return self._link_rate
 
     def is_capable(self, capability: str) -> bool:
         return self._inner.is_capable(capability)
@@ -249,6 +276,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         8000000
         """
         size = parse_size(partition_bytes, "partition_bytes")
+        if self._layout.grain_bytes is None and self._grain_choice is None:
+            self._grain_choice = size  # before the first init: a partition chosen is the grain
         if size < self.grain_bytes:
             raise ValueError(
                 f"partition_bytes={size} is below the server grain of {self.grain_bytes} bytes fixed "
@@ -276,11 +305,12 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._scheduler.check()
 
     def _create_keys(self, pairs: List[Any], what: str) -> List[KeyInfo]:
-        """Register the keys, connect the order channel and create the sub-keys (collective)."""
+        """Register the keys (the first time: connect the workers and fix the grain) and create
+        their sub-keys (collective)."""
+        kind, _ = self._layout.check_new(pairs)
+        if self._layout.grain_bytes is None:
+            self._start(kind)
         infos = self._layout.register(pairs, self._optimizer if self._optimizer_sent else None)
-        if self._channel is not None and not self._channel.connected:
-            leader = self._backend.connect_channel(self._channel, self._layout.order_key, self._config)
-            self._adopt(leader)
         values = [value for _, value in pairs]
         self._call(lambda: self._inner.init(*self._layout.init_args(infos, values)), what)
         if self._optimizer_sent and any(i.partitioned for i in self._layout.infos()):
@@ -289,6 +319,38 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             self._optimizer_sent = False
             self._send_optimizer()
         return infos
+
+    def _start(self, kind: Optional[type]) -> None:
+        """The first init's start-up (collective): every worker connects to rank 0's ordering
+        channel and runs with rank 0's settings and grain; with no grain chosen on rank 0,
+        every worker takes part in the link probe and rank 0 picks the grain (grain.py)."""
+        grain = self._grain_choice
+        if self._channel is not None:
+            leader, leaders_grain = self._backend.connect_channel(
+                self._channel, KeyLayout.reserved_key("order", kind), self._config, grain)
+            self._adopt(leader)
+            if grain is not None and leaders_grain != grain:
+                theirs = f"{leaders_grain}" if leaders_grain is not None else "chosen from a probe of the link"
+                log.warning(f"rank {self._rank}: the server grain is {grain} here but {theirs} on rank 0; "
+                            "using rank 0's")
+            grain = leaders_grain
+        servers = num_servers()
+        if grain is None and servers > COARSE_SERVERS:  # the same on every worker: nothing to probe
+            grain = choose_grain(0.0, servers, self._config.credit_bytes)
+        if grain is None:
+            rate = self._call(lambda: probe_rate(self._inner, KeyLayout.reserved_key("probe", kind)),
+                              "probing the link to the servers")
+            grain = choose_grain(rate, servers, self._config.credit_bytes)
+            if self._num_workers > 1:
+                chosen = grain
+                grain = int(self._call(lambda: rank0_json(self._inner, KeyLayout.reserved_key("grain", kind),
+                                                          chosen, 32), "sharing rank 0's grain"))
+            self._link_rate = rate
+            log.info(f"rank {self._rank}: push+pull to the servers at {rate / 1e6:.0f} MB/s; "
+                     f"server grain {grain} bytes (rank 0's choice)")
+        self._layout.decide(grain)
+        if self._scheduler.config.partition_bytes < grain:  # a piece holds whole sub-keys
+            self._scheduler.reconfigure(partition_bytes=grain)
 
     def _adopt(self, leader: SchedulerConfig) -> None:
         """Run with rank 0's shared settings (core/agreement.py), learned at the first init."""

@@ -312,17 +312,41 @@ def test_many_workers_of_different_speeds_one_joining_late_train_as_the_referenc
 
 
 @pytest.mark.timeout(TIMEOUT)
-@pytest.mark.parametrize("servers", [1, 8])
-def test_default_grain_follows_the_servers_and_sums_as_mxnet_does(servers):
-    # No partition given: 4 MiB on one server, 1 MiB on 8 (server_grain_bytes); a key above
-    # MXNet's big-array bound, split into sub-keys of that grain, sums bitwise as MXNet's own key.
+@pytest.mark.parametrize("servers, readings", [(1, ("slow", "fast")), (8, ("fast", "fast")), (2, ("fast", "slow"))])
+def test_rank_0_chooses_the_grain_from_the_link_and_it_sums_as_mxnet_does(servers, readings):
+    # No partition given: rank 0 probes the link at the first init. Read as slow: sub-keys of
+    # server_grain_bytes (4 MiB on one server, 1 MiB on 8); read as fast: 64 MiB, MXNet's own
+    # keys (on 1-2 servers; on more the grain follows their number, unprobed). The other
+    # worker reads it the other way (or alike) and must still use rank 0's grain; a key
+    # above MXNet's big-array bound sums bitwise as MXNet's own key either way.
     from bytescheduler.core.config import server_grain_bytes
+    from bytescheduler.mxnet.grain import COARSE_GRAIN_BYTES
 
-    status, text = run_job("kv_default_grain.py", servers=servers)
+    status, text = run_job("kv_default_grain.py", *readings, servers=servers)
     assert status == 0, text
-    grain = server_grain_bytes(servers)
-    lines = re.findall(rf"GRAIN rank=\d servers={servers} partition={grain} grain={grain} subkeys=(\d+)", text)
-    assert len(lines) == 2 and int(lines[0]) >= 2, text
+    coarse = readings[0] == "fast" and servers <= 2
+    grain = COARSE_GRAIN_BYTES if coarse else server_grain_bytes(servers)
+    lines = re.findall(rf"GRAIN rank=\d servers={servers} partition=(\d+) grain={grain} subkeys=(\d+) rate=(\d+)", text)
+    assert len(lines) == 2, text
+    for partition, subkeys, rate in lines:
+        assert int(partition) >= grain and (int(rate) > 0) == (servers <= 2), text
+        assert int(subkeys) == (1 if coarse else -(-1_200_000 * 4 // grain)), text
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("grains", [("1024", "4096"), ("1024", "auto"), ("auto", "4096")])
+def test_workers_use_rank_0s_grain_when_theirs_differs(grains):
+    # Different grains would give the workers different server keys (a hang before): every
+    # worker uses rank 0's, a worker whose own differed says so, and only a grain rank 0
+    # leaves open is probed for.
+    status, text = run_job("kv_grain_differs.py", *grains, servers=2)
+    assert status == 0, text
+    lines = re.findall(r"DIFFERS rank=\d grain=(\d+) probed=(\d)", text)
+    assert len(lines) == 2 and len(set(lines)) == 1, text
+    assert lines[0][1] == ("1" if grains[0] == "auto" else "0"), text
+    if grains[0] != "auto":
+        assert lines[0][0] == grains[0], text
+    assert "the server grain is 4096 here but" in text if grains[1] == "4096" else "server grain is" not in text, text
 
 
 @pytest.mark.timeout(TIMEOUT)
