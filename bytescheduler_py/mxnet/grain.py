@@ -30,7 +30,7 @@ from ..core.config import server_grain_bytes
 # The probe: a float32 key of this size (above MXNet's big-array bound, so spread over every
 # server as a 4 MiB sub-key is), one push+pull to warm up, then the best of PROBE_ROUNDS.
 PROBE_BYTES = 8 * 1024**2
-PROBE_ROUNDS = 3
+PROBE_ROUNDS = 5
 # At or above this push+pull rate (bytes of the key per second) the link is fast enough that
 # sub-keys cost more than they win; see the module docstring and the measurements it names.
 FAST_LINK_BYTES_PER_S = 250 * 1000**2
@@ -47,7 +47,11 @@ def probe_rate(inner: Any, key: Any, nbytes: int = PROBE_BYTES, rounds: int = PR
 
     A push+pull completes once every worker's push arrived and the servers answered, so the
     rounds keep the workers in step without a barrier; the first one absorbs their skew.
+    MXNet's engine is let finish first: gluon's Trainer makes its first ``init`` in its first
+    ``step``, while the backward may still be computing on the cores ps-lite needs (a probe
+    taken then read 61 MB/s on a link that reads 200 MB/s idle).
     """
+    mx.nd.waitall()
     array = mx.nd.zeros((nbytes // 4,), dtype="float32")
     out = mx.nd.zeros_like(array)
     inner.init(key, array)
