@@ -305,6 +305,35 @@ def server_grain_bytes(servers: int, credit_bytes: int = 64 * 1024**2) -> int:
     return max(256 * 1024, min(4 * 1024**2, 1 << (share.bit_length() - 1)))
 
 
+# ScheduledKVStore's grain when none is given (bytescheduler/mxnet/grain.py probes the link
+# for it; the simulator uses the simulated link's rate): whole keys at or above this push+pull
+# rate (bytes of the key per second) on at most COARSE_SERVERS servers, else sub-keys of
+# server_grain_bytes.
+FAST_LINK_BYTES_PER_S = 250 * 1000**2
+COARSE_GRAIN_BYTES = 64 * 1024**2
+COARSE_SERVERS = 2
+
+
+def choose_grain(rate: float, servers: int, credit_bytes: int = 64 * 1024**2) -> int:
+    """ScheduledKVStore's server grain for a link whose push+pull runs at ``rate`` bytes per
+    second, with ``servers`` servers.
+
+    Sub-keys cost a request and a server update each per step and win where the link is slow
+    (the servers return a large layer's first parts while the rest is pushed): on 2 servers
+    4 MiB ones measured 0.99-1.09x of ``dist_sync`` at 1 Gbit/s and 0.92x on CPU-bound
+    loopback, where whole keys measured 0.98x and 1.01-1.03x (docs/benchmarks.md, twelfth and
+    thirteenth rounds). Whole keys (:data:`COARSE_GRAIN_BYTES`, every key of the bench's
+    models) only on 1-2 servers: from 4 servers on, the simulator predicts grains finer than
+    4 MiB winning even at 12.6 Gbit/s (docs/simulator.md, "The grain and the number of servers").
+
+    >>> [choose_grain(rate, servers) // 1024 for rate, servers in ((100e6, 2), (400e6, 2), (400e6, 8))]
+    [4096, 65536, 1024]
+    """
+    if rate >= FAST_LINK_BYTES_PER_S and servers <= COARSE_SERVERS:
+        return COARSE_GRAIN_BYTES
+    return server_grain_bytes(servers, credit_bytes)
+
+
 _PARSERS = {
     "partition_bytes": parse_size,
     "credit_bytes": parse_size,

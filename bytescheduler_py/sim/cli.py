@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from ..core.config import parse_size
 from .calibration import Calibration
-from .engine import SYSTEM_NAMES, SYSTEMS, Result, canonical, default_config, server_count, simulate
+from .engine import SYSTEM_NAMES, SYSTEMS, Result, canonical, network_defaults, simulate
 from .inputs import add_network_arguments, add_profile_arguments, network_from, profile_from
 
 # What each scheduled system's speedup is against: its framework's own system.
@@ -95,7 +95,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for rate, network in networks:
             results: Dict[str, Result] = {}
             for system in args.systems:
-                config = default_config(system, servers=server_count(network, ranks))
+                config = network_defaults(system, network, ranks)
                 if options and canonical(system) in BASELINES:
                     config = config.with_options(**options)
                 try:

@@ -39,7 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..core.config import SchedulerConfig, server_grain_bytes
+from ..core.config import SchedulerConfig, choose_grain, server_grain_bytes
 from .allreduce import LINK, DdpReducer, GlooLanes, ScheduledAllReduce, ScheduledHook, ddp_buckets
 from .calibration import Calibration
 from .events import Simulation, Span
@@ -48,7 +48,7 @@ from .network import Network
 from .profile import Profile
 from .training import StepMode, Training, gradients
 
-__all__ = ["SYSTEMS", "ALIASES", "Result", "simulate", "default_config", "server_count", "canonical", "gradients", "ddp_buckets"]
+__all__ = ["SYSTEMS", "ALIASES", "Result", "simulate", "default_config", "network_defaults", "server_count", "canonical", "gradients", "ddp_buckets"]
 
 SYSTEMS = ("compute", "ddp", "ddp-hook", "scheduled", "hvd", "hvd-scheduled", "ps", "ps-scheduled")
 # The bench's names for the parameter-server systems, so predictions and measurements line up.
@@ -106,10 +106,13 @@ def canonical(system: str) -> str:
     return name
 
 
-def default_config(system: str, servers: Optional[int] = None) -> SchedulerConfig:
+def default_config(system: str, servers: Optional[int] = None, bandwidth: Optional[float] = None) -> SchedulerConfig:
     """The settings an adapter uses when the user sets none (kept equal to the adapters' by a
     test); ``servers``: the parameter servers of the ``ps`` systems, whose default partition
-    follows their number (None: ScheduledKVStore's default on 1-2 servers, 4 MiB)."""
+    follows their number (None: ScheduledKVStore's default on 1-2 servers, 4 MiB);
+    ``bandwidth``: the link's rate in bytes per second, which ScheduledKVStore's probe
+    measures at its first ``init`` to choose its grain (:func:`~bytescheduler.core.config.choose_grain`;
+    None: the grain before the probe, ``server_grain_bytes``)."""
     system = canonical(system)
     if system == "ddp-hook":
         return SchedulerConfig(partition_bytes=64 * 1024**2, credit_bytes=256 * 1024**2, adaptive=True)
@@ -119,9 +122,15 @@ def default_config(system: str, servers: Optional[int] = None) -> SchedulerConfi
     if system == "ps-scheduled":
         # ps-lite sends every server key as a request of its own: the store turns merging off.
         credit = 64 * 1024**2
-        return SchedulerConfig(partition_bytes=server_grain_bytes(servers or 1, credit), credit_bytes=credit,
-                               adaptive=True)
+        grain = server_grain_bytes(servers or 1, credit) if bandwidth is None else \
+            choose_grain(bandwidth, servers or 1, credit)
+        return SchedulerConfig(partition_bytes=grain, credit_bytes=credit, adaptive=True)
     return SchedulerConfig(cycle_ms=2.0, adaptive=True)
+
+
+def network_defaults(system: str, network: Network, ranks: int) -> SchedulerConfig:
+    """:func:`default_config` of ``system`` on ``ranks`` ranks joined by ``network``."""
+    return default_config(system, servers=server_count(network, ranks), bandwidth=network.bandwidth)
 
 
 def server_count(network: Network, ranks: int) -> int:
@@ -198,7 +207,7 @@ def simulate(profile: Profile, network: Network, ranks: int, system: str,
     if name == "compute":
         return Result(system, profile.compute_s, 0.0, 0.0, iteration_starts=())
     if config is None:
-        config = default_config(name, servers=server_count(network, ranks))
+        config = network_defaults(name, network, ranks)
     result = _run(profile, network, ranks, name, config, iterations, calibration, record)
     plain = None
     if name in PLAIN_PATHS and config.adaptive and not config.auto_tune:
@@ -220,8 +229,7 @@ def _plain_seconds(profile: Profile, network: Network, ranks: int, system: str, 
     key = (profile, network, ranks, system, iterations, costs)
     if key not in _PLAIN_CACHE:
         _PLAIN_CACHE[key] = _run(profile, network, ranks, PLAIN_PATHS[system],
-                                 default_config(system, servers=server_count(network, ranks)), iterations,
-                                 calibration, False).seconds
+                                 network_defaults(system, network, ranks), iterations, calibration, False).seconds
         if len(_PLAIN_CACHE) > _PLAIN_CACHE_SIZE:
             _PLAIN_CACHE.popitem(last=False)
     return _PLAIN_CACHE[key]

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..core.config import SchedulerConfig, format_size, parse_size
 from ..core.plan import Plan
-from .engine import Result, default_config, server_count, simulate
+from .engine import Result, network_defaults, simulate
 from .inputs import add_network_arguments, add_profile_arguments, network_from, profile_from
 from .network import Network
 from .profile import Profile
@@ -68,7 +68,7 @@ def search(profile: Profile, network: Network, ranks: int, system: str = "schedu
     """
     if system not in FRAMEWORK_PATH:
         raise ValueError(f"cannot plan {system!r}: use one of {', '.join(FRAMEWORK_PATH)}")
-    base = config if config is not None else default_config(system, servers=server_count(network, ranks))
+    base = config if config is not None else network_defaults(system, network, ranks)
     framework = Candidate(0, 0, simulate(profile, network, ranks, FRAMEWORK_PATH[system], iterations=iterations))
     grid = []
     for partition in partitions:

@@ -93,15 +93,16 @@ class Sweep:
         return Network(bandwidth, latency=self.latency, op_seconds=self.op_seconds, algorithm=self.algorithm,
                        servers=self.servers)
 
-    def defaults(self, ranks: int) -> SchedulerConfig:
+    def defaults(self, ranks: int, bandwidth: Optional[float] = None) -> SchedulerConfig:
         """The adapter's own settings on ``ranks`` ranks (the parameter server's partition
-        follows the number of servers)."""
-        return default_config(self.system, servers=self.servers or ranks)
+        follows the number of servers and, given, the link's ``bandwidth``)."""
+        return default_config(self.system, servers=self.servers or ranks, bandwidth=bandwidth)
 
     def settings(self, ranks: int, partitions: Sequence[Optional[int]],
-                 credits: Sequence[Optional[int]]) -> List[Tuple[int, int]]:
-        """Every (partition, credit) to simulate on ``ranks``; None stands for the adapter's default."""
-        own = self.defaults(ranks)
+                 credits: Sequence[Optional[int]], bandwidth: Optional[float] = None) -> List[Tuple[int, int]]:
+        """Every (partition, credit) to simulate on ``ranks`` (at ``bandwidth``); None stands
+        for the adapter's default."""
+        own = self.defaults(ranks, bandwidth)
         return [(own.partition_bytes if p is None else p, own.credit_bytes if c is None else c)
                 for p in partitions for c in credits]
 
@@ -110,7 +111,7 @@ class Sweep:
                         iterations=self.iterations).seconds
 
     def seconds(self, ranks: int, bandwidth: float, partition_bytes: int, credit_bytes: int) -> float:
-        config = self.defaults(ranks).with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
+        config = self.defaults(ranks, bandwidth).with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
         return simulate(self.profile, self.network(bandwidth), ranks, self.system, config, self.iterations).seconds
 
     def run(self, ranks: Sequence[int], rates: Sequence[str], partitions: Sequence[Optional[int]] = (None,),
@@ -124,7 +125,7 @@ class Sweep:
                 framework = self.framework_seconds(count, bandwidth)
                 rows += [Prediction(count, rate, partition, credit, framework,
                                     self.seconds(count, bandwidth, partition, credit))
-                         for partition, credit in self.settings(count, partitions, credits)]
+                         for partition, credit in self.settings(count, partitions, credits, bandwidth)]
         return rows
 
 
@@ -198,7 +199,7 @@ def compare_with_paper(sweep: Sweep, name: str, partitions: Sequence[Optional[in
         speedup = math.nan
         if not math.isnan(rate):
             framework = sweep.framework_seconds(gpus, rate)
-            fastest = min(sweep.seconds(gpus, rate, p, c) for p, c in sweep.settings(gpus, partitions, credits))
+            fastest = min(sweep.seconds(gpus, rate, p, c) for p, c in sweep.settings(gpus, partitions, credits, rate))
             speedup = framework / fastest
         out[gpus] = (reported_speedup(name, gpus), rate, speedup)
     return out
