@@ -47,7 +47,7 @@ from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationT
 from ..core.scheduler import Scheduler
 from ..core.task import Operation
 from ..core.tcp_channel import TcpOrderChannel, local_address
-from .keys import KeyInfo, flat, mx_args, rank0_json
+from .keys import KeyInfo, mx_args, rank0_json
 
 # Room for rank 0's settings (JSON) in the exchange of its ordering address.
 _SETTINGS_BYTES = 1024
@@ -218,9 +218,10 @@ class KVBackend:
         return what tells its completion."""
         info = job.info
         keys = info.subkeys[first:stop]
-        ranges = info.grains[first:stop]
-        values = [[flat(x, start, end) for x in job.values] for start, end in ranges]
-        outs = [[flat(x, start, end) for x in job.outs] for start, end in ranges]
+        value_views = [info.views(x) for x in job.values]
+        out_views = [info.views(x) for x in job.outs]
+        values = [[views[j] for views in value_views] for j in range(first, stop)]
+        outs = [[views[j] for views in out_views] for j in range(first, stop)]
         if job.kind == "push":
             self._inner.push(*mx_args(keys, values), priority=job.priority)
             return [(view, True) for group in values for view in group]

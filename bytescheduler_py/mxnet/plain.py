@@ -26,7 +26,7 @@ from ..core.config import SchedulerConfig
 from ..core.modes import PLAIN, STOP, ModeDriver, new_chooser
 from ..core.scheduler import Scheduler
 from .backend import wait_to_write
-from .keys import DECISION_KEYS, KeyInfo, KeyLayout, flat, mx_args, rank0_words
+from .keys import DECISION_KEYS, KeyInfo, KeyLayout, mx_args, rank0_words
 
 
 class PlainCalls:
@@ -120,9 +120,10 @@ def _split(infos: Sequence[KeyInfo], arrays: Sequence[List[Any]]) -> Tuple[List[
             keys.append(info.subkeys[0])
             groups.append(list(group))
             continue
-        for sub, (start, stop) in zip(info.subkeys, info.grains):
+        views = [info.views(arr) for arr in group]
+        for j, sub in enumerate(info.subkeys):
             keys.append(sub)
-            groups.append([flat(arr, start, stop) for arr in group])
+            groups.append([arr_views[j] for arr_views in views])
     return keys, groups
 
 
