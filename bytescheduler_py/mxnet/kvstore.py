@@ -307,8 +307,8 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
     def _create_keys(self, pairs: List[Any], what: str) -> List[KeyInfo]:
         """Register the keys (the first time: connect the workers and fix the grain) and create
         their sub-keys (collective)."""
-        kind, _ = self._layout.check_new(pairs)
-        if self._layout.grain_bytes is None:
+        if self._layout.grain_bytes is None:  # the first init: its keys checked before any collective
+            kind, _ = self._layout.check_new(pairs)
             self._start(kind)
         infos = self._layout.register(pairs, self._optimizer if self._optimizer_sent else None)
         values = [value for _, value in pairs]
