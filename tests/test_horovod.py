@@ -185,7 +185,7 @@ def test_mode_switch_runs_both_paths_alike_on_every_rank_and_keeps_the_numbers()
         modes = first["modes"]
         assert modes == second["modes"], (modes, second["modes"])
         # 30 steps (and the step of broadcast_optimizer_state): warm-up, the scheduled trial, the plain one.
-        assert len(modes) == 30 + first["idiom"] and modes.startswith("ssssp"), modes
+        assert len(modes) == 30 + first["idiom"] and modes.startswith("sssssp"), modes
         assert "p" in modes and modes.count("sp") + modes.count("ps") >= 4, modes
 
 

@@ -77,7 +77,10 @@ class ModeChooser:
         warmup: steps before the first trial (first iterations are slow), in the scheduled mode.
             Its end is a decision point: rank 0 sets the trials' length from the warm-up's
             step times, so a trial lasts at least ``trial_seconds``.
-        settle: steps after each switch that are not timed (the switch drains the pipeline).
+        settle: steps after each switch, and after each decision point reached on the
+            scheduled path, that are not timed: both drain the scheduled path, and the step
+            after a drain waits for nothing of the step before it (a scheduled step right
+            after one measured half as long as the next ones, 2026-11-26).
         trial: timed steps per trial phase, at least (at most ``max_trial``).
         pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
             difference larger than ``clear`` decides at once if it is also larger than the
@@ -134,6 +137,7 @@ class ModeChooser:
         self._done = 0  # steps of the current phase
         self._samples: List[float] = []  # timed steps of the current phase
         self._settling = 0
+        self._drained = False  # the step now starting follows a drain of the scheduled path
         self._trials: Dict[str, List[float]] = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._hold = hold
@@ -188,6 +192,7 @@ class ModeChooser:
     def adopt(self, proposal: int) -> None:
         """Apply rank 0's :meth:`propose` at a decision point (on every rank alike)."""
         self.decisions += 1
+        self._drained = self.mode == SCHEDULED  # the driver drained the scheduled path for this decision
         code, extra = decode(proposal)
         if code == STOP:
             self._phase, self.mode = _FIXED, SCHEDULED
@@ -219,7 +224,8 @@ class ModeChooser:
     def _start(self, phase: str, mode: str, length: int) -> None:
         switched = mode != self.mode
         self._phase, self.mode = phase, mode
-        self._settling = self.settle if switched else 0
+        self._settling = self.settle if switched or self._drained else 0
+        self._drained = False
         self._length = length + self._settling
         self._done = 0
         self._samples = []

@@ -176,7 +176,8 @@ class StoreAgreement:
         return decided
 
 
-# Steps left untimed after each switch of paths. The switch drains the path it leaves, and
+# Steps left untimed after each switch of paths (and after a decision point reached on the
+# scheduled path, which drains it too: ModeChooser's settle). The switch drains the path it leaves, and
 # the pacing (StoreModes._pace) then lets the training thread run a step ahead of MXNet's
 # engine again, so the second step after a switch is also off: in eight bench runs (VGG-like,
 # MLP; loopback, 1 and 2 Gbit/s) the first timed step of a scheduled trial was up to 50%

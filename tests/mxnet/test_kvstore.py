@@ -154,7 +154,7 @@ def test_gluon_training_equals_reference(case, reference, tmp_path):
         modes = dict(re.findall(r"MODES rank=(\d) (\w+)", text))
         assert modes.keys() == {"0", "1"} and modes["0"] == modes["1"], text  # the same path on every worker
         # 19 steps seen to end: warm-up, scheduled trial, plain trial, then holds and re-trials
-        assert len(modes["0"]) == 19 and modes["0"].startswith("ssssp"), modes
+        assert len(modes["0"]) == 19 and modes["0"].startswith("sssssp"), modes
         assert modes["0"].count("sp") + modes["0"].count("ps") >= 3, modes
     assert_params_equal(tmp_path / "ours", reference["--hybrid" in options])
 
