@@ -88,7 +88,8 @@ class ModeChooser:
         hold: steps the faster path runs before the slower one is tried again (one trial of
             it, then one of the held path again: the re-trial is compared with the held path's
             steps just before and just after it, so a machine that slows down or speeds up
-            meanwhile weighs on both sides); doubled each time the re-trial confirms the
+            meanwhile weighs on both sides; the held path stays unless the re-trial's is
+            faster beyond the noise); doubled each time the re-trial confirms the
             choice, up to ``max_hold``. A first choice by a
             difference larger than ``decisive`` (a fraction of the slower path's step) and than
             the noise holds ``clear_hold`` times as long (a re-trial of a much slower path costs
@@ -256,6 +257,12 @@ class ModeChooser:
                 return _CHOICE[self.mode]  # nothing to compare: stay on the held mode
             samples = {self.mode: held, _other(self.mode): self._retried}
             winner, told_apart = self._verdict(samples)
+            if not told_apart:
+                # A re-trial looks for a change: the held path, chosen on evidence, stays unless
+                # the other is faster beyond the noise (a tie used to go to the plain path, and a
+                # 14% faster schedule, its pipelined steps 0.9-1.4 s, lost a re-trial to DDP's
+                # steady 1.32 s and the plain path ran for 200 steps, 2026-11-26).
+                winner = self.mode
             self._note("re-trial", samples, winner, told_apart, False)
             return _CHOICE[winner]
         samples = self._trials
