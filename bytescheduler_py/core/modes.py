@@ -100,7 +100,8 @@ class ModeChooser:
             close.
         margin: the scheduled path is kept only when its median step is faster than the
             plain path's by more than this fraction, and by more than the measured noise
-            (two and a half standard errors of the medians): ties, and differences the
+            (two and a half standard errors of the medians; both taken over pairs of
+            consecutive steps, :func:`_paired`): ties, and differences the
             samples cannot tell apart, go to the cheaper, plain path.
         clear: a difference this large (and beyond the noise) decides after one trial pair,
             once each path has at least ``min_clear_samples`` timed steps (fewer are too noisy
@@ -268,7 +269,7 @@ class ModeChooser:
         samples = self._trials
         if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
-        scheduled, plain = _median(samples[SCHEDULED]), _median(samples[PLAIN])
+        scheduled, plain = _median(_paired(samples[SCHEDULED])), _median(_paired(samples[PLAIN]))
         winner, told_apart = self._verdict(samples)
         # A large difference decides at once, and holds longer, only when the samples tell
         # it apart from the noise; otherwise more pairs are timed (their samples pool).
@@ -288,8 +289,9 @@ class ModeChooser:
     def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool]:
         """The faster path (ties and differences within the noise: plain), and whether its
         lead is larger than the margin and the noise (False: a tie, or samples too noisy)."""
-        scheduled, plain = _median(samples[SCHEDULED]), _median(samples[PLAIN])
-        margin = max(self.margin, 2.5 * (_relative_error(samples[SCHEDULED]) + _relative_error(samples[PLAIN])) / 2)
+        paired = {mode: _paired(samples[mode]) for mode in MODES}
+        scheduled, plain = _median(paired[SCHEDULED]), _median(paired[PLAIN])
+        margin = max(self.margin, 2.5 * (_relative_error(paired[SCHEDULED]) + _relative_error(paired[PLAIN])) / 2)
         if scheduled < plain * (1.0 - margin):
             return SCHEDULED, True
         return PLAIN, plain < scheduled * (1.0 - margin)
@@ -304,6 +306,24 @@ def new_chooser(start_plain: bool = False, **adapter: Any) -> ModeChooser:
     ('plain', 2)
     """
     return ModeChooser(**dict(adapter, **CHOOSER_OPTIONS, start=PLAIN if start_plain else SCHEDULED))
+
+
+def _paired(values: List[float]) -> List[float]:
+    """The means of consecutive pairs of step times (from four steps on; an odd last one is left out).
+
+    A pipelined path's steps alternate: where one step's communication runs on into the next,
+    a long step is followed by a short one (the schedule on VGG-like at 1 Gbit/s: 0.96-1.77 s
+    per step, 1.36-1.52 s per pair). Taken one by one, that spread counted as noise and hid a
+    4-7% gain behind a margin of 9%; pairs keep the path's pace and drop the alternation.
+    Where steps vary at random, pairs change neither the medians nor their standard error
+    (half as many samples, each half as variable).
+
+    >>> _paired([1.8, 1.0, 1.3, 1.2, 1.5])
+    [1.4, 1.25]
+    """
+    if len(values) < 4:
+        return list(values)
+    return [(values[i] + values[i + 1]) / 2 for i in range(0, len(values) - 1, 2)]
 
 
 def _median(values: List[float]) -> Optional[float]:
