@@ -309,19 +309,22 @@ def new_chooser(start_plain: bool = False, **adapter: Any) -> ModeChooser:
 
 
 def _paired(values: List[float]) -> List[float]:
-    """The means of consecutive pairs of step times (from four steps on; an odd last one is left out).
+    """The means of consecutive pairs of step times (from eight steps on; an odd last one is left out).
 
     A pipelined path's steps alternate: where one step's communication runs on into the next,
     a long step is followed by a short one (the schedule on VGG-like at 1 Gbit/s: 0.96-1.77 s
     per step, 1.36-1.52 s per pair). Taken one by one, that spread counted as noise and hid a
     4-7% gain behind a margin of 9%; pairs keep the path's pace and drop the alternation.
     Where steps vary at random, pairs change neither the medians nor their standard error
-    (half as many samples, each half as variable).
+    (half as many samples, each half as variable). Fewer than eight steps (a re-trial's
+    four) stay single: the spread of two or three pairs says little about the noise.
 
-    >>> _paired([1.8, 1.0, 1.3, 1.2, 1.5])
-    [1.4, 1.25]
+    >>> _paired([1.75, 1.0, 1.25, 1.25, 1.5, 1.0, 1.5, 1.0, 2.0])
+    [1.375, 1.25, 1.25, 1.25]
+    >>> _paired([1.8, 1.0, 1.3, 1.2])
+    [1.8, 1.0, 1.3, 1.2]
     """
-    if len(values) < 4:
+    if len(values) < 8:
         return list(values)
     return [(values[i] + values[i + 1]) / 2 for i in range(0, len(values) - 1, 2)]
 
