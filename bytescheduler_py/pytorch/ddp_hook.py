@@ -2,7 +2,7 @@
 
 >>> state = ScheduledHookState()                                   # doctest: +SKIP
 >>> ddp_model.register_comm_hook(state, scheduled_allreduce_hook)   # doctest: +SKIP
->>> ...                                                             # train as usual
+>>> train()                                                         # doctest: +SKIP
 >>> state.close()                                                   # doctest: +SKIP
 
 Each bucket becomes one task: the core partitions it, merges small neighbours, keeps at
@@ -12,8 +12,8 @@ remaining pieces of an earlier one. The result is the average, as with DDP's def
 
 With ``adaptive`` (the default) rank 0 also times iterations of the plain path, DDP's own
 all-reduce of each whole bucket issued right in the hook, against the scheduled one and
-runs the faster (:class:`~bytescheduler.core.modes.ModeDriver`; ties go to the plain
-path). Both give the same numbers.
+runs the faster (:class:`~bytescheduler.core.modes.ModeDriver`; a first choice's ties go
+to the plain path, a re-trial's to the held one). Both give the same numbers.
 """
 
 
