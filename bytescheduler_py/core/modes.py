@@ -139,7 +139,6 @@ class ModeChooser:
         self._done = 0  # steps of the current phase
         self._samples: List[float] = []  # timed steps of the current phase
         self._settling = 0
-        self._drained = False  # the step now starting follows a drain of the scheduled path
         self._trials: Dict[str, List[float]] = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._hold = hold
@@ -194,7 +193,7 @@ class ModeChooser:
     def adopt(self, proposal: int) -> None:
         """Apply rank 0's :meth:`propose` at a decision point (on every rank alike)."""
         self.decisions += 1
-        self._drained = self.mode == SCHEDULED  # the driver drained the scheduled path for this decision
+        drained = self.mode == SCHEDULED  # the driver drained the scheduled path for this decision
         code, extra = decode(proposal)
         if code == STOP:
             self._phase, self.mode = _FIXED, SCHEDULED
@@ -204,7 +203,7 @@ class ModeChooser:
                 raise ValueError("CONTINUE is only proposed after the warm-up or a trial pair")
             if extra:
                 self.trial = extra  # the trials' length, from rank 0's warm-up
-            self._start(_TRIAL, SCHEDULED, self.trial)
+            self._start(_TRIAL, SCHEDULED, self.trial, drained)
             return
         chosen = SCHEDULED if code == CHOOSE_SCHEDULED else PLAIN
         self.choices += 1
@@ -221,13 +220,14 @@ class ModeChooser:
         self._trials = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._held, self._retried = [], []
-        self._start(_HOLD, chosen, self._hold if hold is None else hold)
+        self._start(_HOLD, chosen, self._hold if hold is None else hold, drained)
 
-    def _start(self, phase: str, mode: str, length: int) -> None:
+    def _start(self, phase: str, mode: str, length: int, drained: bool = False) -> None:
+        """Begin ``phase`` on ``mode``: after a switch or a drain of the scheduled path (``drained``),
+        its first ``settle`` steps are not timed."""
         switched = mode != self.mode
         self._phase, self.mode = phase, mode
-        self._settling = self.settle if switched or self._drained else 0
-        self._drained = False
+        self._settling = self.settle if switched or drained else 0
         self._length = length + self._settling
         self._done = 0
         self._samples = []
@@ -257,7 +257,7 @@ class ModeChooser:
             if not held or not self._retried:
                 return _CHOICE[self.mode]  # nothing to compare: stay on the held mode
             samples = {self.mode: held, _other(self.mode): self._retried}
-            winner, told_apart = self._verdict(samples)
+            winner, told_apart, _ = self._verdict(samples)
             if not told_apart:
                 # A re-trial looks for a change: the held path, chosen on evidence, stays unless
                 # the other is faster beyond the noise (a tie used to go to the plain path, and a
@@ -269,8 +269,7 @@ class ModeChooser:
         samples = self._trials
         if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
-        scheduled, plain = _median(_paired(samples[SCHEDULED])), _median(_paired(samples[PLAIN]))
-        winner, told_apart = self._verdict(samples)
+        winner, told_apart, (scheduled, plain) = self._verdict(samples)
         # A large difference decides at once, and holds longer, only when the samples tell
         # it apart from the noise; otherwise more pairs are timed (their samples pool).
         enough = min(len(samples[SCHEDULED]), len(samples[PLAIN])) >= self.min_clear_samples
@@ -286,15 +285,16 @@ class ModeChooser:
         self.verdicts.append({"kind": kind, "step": sum(steps for _, steps in self._runs), "winner": winner, "told_apart": told_apart,
                               "clear": clear, **{f"{mode}_s": [round(t, 6) for t in samples[mode]] for mode in MODES}})
 
-    def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool]:
-        """The faster path (ties and differences within the noise: plain), and whether its
-        lead is larger than the margin and the noise (False: a tie, or samples too noisy)."""
+    def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool, Tuple[float, float]]:
+        """The faster path (ties and differences within the noise: plain), whether its lead is
+        larger than the margin and the noise (False: a tie, or samples too noisy), and the
+        (scheduled, plain) medians it compared (over pairs of steps, :func:`_paired`)."""
         paired = {mode: _paired(samples[mode]) for mode in MODES}
         scheduled, plain = _median(paired[SCHEDULED]), _median(paired[PLAIN])
         margin = max(self.margin, 2.5 * (_relative_error(paired[SCHEDULED]) + _relative_error(paired[PLAIN])) / 2)
         if scheduled < plain * (1.0 - margin):
-            return SCHEDULED, True
-        return PLAIN, plain < scheduled * (1.0 - margin)
+            return SCHEDULED, True, (scheduled, plain)
+        return PLAIN, plain < scheduled * (1.0 - margin), (scheduled, plain)
 
 
 def new_chooser(start_plain: bool = False, **adapter: Any) -> ModeChooser:

@@ -218,10 +218,8 @@ class KVBackend:
         return what tells its completion."""
         info = job.info
         keys = info.subkeys[first:stop]
-        value_views = [info.views(x) for x in job.values]
-        out_views = [info.views(x) for x in job.outs]
-        values = [[views[j] for views in value_views] for j in range(first, stop)]
-        outs = [[views[j] for views in out_views] for j in range(first, stop)]
+        values = info.groups(job.values, first, stop)
+        outs = info.groups(job.outs, first, stop)
         if job.kind == "push":
             self._inner.push(*mx_args(keys, values), priority=job.priority)
             return [(view, True) for group in values for view in group]

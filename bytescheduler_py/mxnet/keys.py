@@ -184,6 +184,11 @@ class KeyInfo:
             self._views[id(arr)] = entry
         return entry[1]
 
+    def groups(self, arrays: Sequence[Any], first: int = 0, stop: Optional[int] = None) -> List[List[Any]]:
+        """Per sub-key of ``[first, stop)`` (default: all), the views of each of ``arrays`` (:meth:`views`)."""
+        views = [self.views(arr) for arr in arrays]
+        return [[arr_views[j] for arr_views in views] for j in range(first, len(self.subkeys) if stop is None else stop)]
+
     def task(self, payload: Any, priority: float) -> Task:
         """The scheduler's view of the key: one element per sub-key (a piece is a run of them)."""
         first, stop = self.grains[0]

@@ -120,10 +120,8 @@ def _split(infos: Sequence[KeyInfo], arrays: Sequence[List[Any]]) -> Tuple[List[
             keys.append(info.subkeys[0])
             groups.append(list(group))
             continue
-        views = [info.views(arr) for arr in group]
-        for j, sub in enumerate(info.subkeys):
-            keys.append(sub)
-            groups.append([arr_views[j] for arr_views in views])
+        keys.extend(info.subkeys)
+        groups.extend(info.groups(group))
     return keys, groups
 
 
