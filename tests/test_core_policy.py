@@ -282,8 +282,8 @@ def test_ledger_counts_generations_and_completes_tasks_when_every_piece_is_back(
     ops = policy.decide(now=0.0)
     for op in ops:
         ledger.launched([op], now=0.0)
-    assert ledger.complete(ops[0]) == [] and ledger.complete(ops[0]) is None  # a late duplicate
-    assert ledger.complete(ops[1]) == [] and ledger.complete(ops[2]) == [first]
+    assert list(ledger.complete(ops[0])) == [] and ledger.complete(ops[0]) is None  # a late duplicate
+    assert list(ledger.complete(ops[1])) == [] and list(ledger.complete(ops[2])) == [first]
     assert list(ledger.pending) == [(7, 1)]
 
 

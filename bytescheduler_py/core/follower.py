@@ -99,8 +99,9 @@ class Follower:
 
     # ------------------------------------------------------------------ decisions
 
-    def decide(self, now: float) -> List[Operation]:
-        """The decided operations whose tensors are all submitted here, in decision order.
+    def decide(self, now: float, most: Optional[int] = None) -> List[Operation]:
+        """The decided operations whose tensors are all submitted here, in decision order
+        (at most ``most``).
 
         Stops at the first decision naming a tensor not submitted yet. Raises
         :class:`MismatchError` when a decision cannot be this rank's (a tensor already
@@ -108,7 +109,7 @@ class Follower:
         """
         pending, generations = self._ledger.pending, self._ledger.generations
         ops: List[Operation] = []
-        while self._decided:
+        while self._decided and len(ops) != most:
             _, (lane, spec) = self._decided[0]
             pieces = []
             for key, generation, start, stop in spec:
@@ -126,9 +127,7 @@ class Follower:
                         f"but this rank has {task.numel}; every rank must communicate tensors of the "
                         "same shape"
                     )
-                piece = Piece(task, start, stop)
-                piece.queued_time = task.ready_time
-                pieces.append(piece)
+                pieces.append(Piece(task, start, stop, task.ready_time))
             self._decided.popleft()
             self._op_ids += 1
             op = Operation(pieces, min(lane, self._lanes - 1), self._op_ids)

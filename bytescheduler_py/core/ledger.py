@@ -17,7 +17,7 @@ object (no thread, no clock): the runtime keeps it under its lock.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import CommunicationTimeout
 from .task import Operation, Task
@@ -46,18 +46,22 @@ class Ledger:
             op.launch_time = now
             in_flight[op.op_id] = op
 
-    def complete(self, op: Operation) -> Optional[List[Task]]:
+    def complete(self, op: Operation) -> Optional[Sequence[Task]]:
         """``op`` finished: the tasks it completed, or None for an operation no longer tracked
         (a late completion after a failure)."""
         if self.in_flight.pop(op.op_id, None) is None:
             return None
-        finished = []
+        finished: Optional[List[Task]] = None  # most pieces complete no task: no list for them
         for piece in op.pieces:
             task = piece.task
-            task.remaining -= piece.stop - piece.start
-            if task.remaining == 0 and self.pending.pop((task.key, task.generation), None):
-                finished.append(task)
-        return finished
+            remaining = task.remaining - (piece.stop - piece.start)
+            task.remaining = remaining
+            if remaining == 0 and self.pending.pop((task.key, task.generation), None):
+                if finished is None:
+                    finished = [task]
+                else:
+                    finished.append(task)
+        return () if finished is None else finished
 
     def clear(self) -> List[Task]:
         """Forget everything (work given up); return the tasks that were pending."""

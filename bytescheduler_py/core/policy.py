@@ -84,20 +84,25 @@ class SchedulingPolicy:
         begins = not self._heap
         if begins:
             self._hold_since = now
-        if task.numel > 0:
+        numel = task.numel
+        if numel > 0:
             self._arrivals += 1
-            step = task.numel if task.nbytes <= self.partition_bytes else max(1, self.partition_bytes // task.itemsize)
+            nbytes = numel * task.itemsize
+            step = numel if nbytes <= self.partition_bytes else max(1, self.partition_bytes // task.itemsize)
             heapq.heappush(self._heap, (task.priority, self._arrivals, _Queued(task, step, now)))
-            self.queued_bytes += task.nbytes
+            self.queued_bytes += nbytes
         return (begins and self.cycle_seconds > 0) or self.can_launch(now)
 
     def finished(self, op: Operation) -> None:
         """``op`` (one this policy decided) completed: its credit is free again."""
-        if op.lane == 0 or self.fast is None:
+        fast = self.fast
+        if fast is None:
             self.main.in_flight -= op.nbytes
-            self._main_priorities.pop(op.op_id, None)
+        elif op.lane == 0:
+            self.main.in_flight -= op.nbytes
+            self._main_priorities.pop(op.op_id, None)  # kept only for the fast lane's choice
         else:
-            self.fast.in_flight -= op.nbytes
+            fast.in_flight -= op.nbytes
 
     def end_burst(self) -> bool:
         """No more tasks are coming soon: stop holding what is queued. True if that changed anything."""
@@ -150,11 +155,13 @@ class SchedulingPolicy:
 
     def can_launch(self, now: float) -> bool:
         """True when :meth:`decide` would return an operation now."""
-        if not self._heap or self.hold_remaining(now) > 0:
+        heap = self._heap
+        if not heap or (self.cycle_seconds > 0 and self.hold_remaining(now) > 0):
             return False
-        first = self._heap[0][2]
-        window, _, _ = self._lane_for(first.task.priority, first.next_bytes())
-        return window.admits(first.next_bytes())
+        first = heap[0][2]
+        nbytes = first.next_bytes()
+        window = self.main if self.fast is None else self._lane_for(first.task.priority, nbytes)[0]
+        return window.in_flight == 0 or window.in_flight + nbytes <= window.capacity  # CreditWindow.admits
 
     def wake_on_completion(self, now: float) -> bool:
         """After :meth:`finished`: True when the freed credit lets queued work go."""
@@ -179,8 +186,9 @@ class SchedulingPolicy:
                 return fast, 1, nbytes
         return self.main, 0, self.partition_bytes
 
-    def decide(self, now: float) -> List[Operation]:
-        """Pop what the credit admits now, most urgent first, fusing small neighbours.
+    def decide(self, now: float, most: Optional[int] = None) -> List[Operation]:
+        """Pop what the credit admits now (at most ``most`` operations), most urgent first,
+        fusing small neighbours.
 
         Returns nothing while the queue is held for merging (:meth:`hold_remaining`).
         The operations count as in flight from here until :meth:`finished`.
@@ -189,41 +197,63 @@ class SchedulingPolicy:
         ops: List[Operation] = []
         if not heap or self.hold_remaining(now) > 0:
             return ops
+        # The loop runs once per operation (many thousand a second): locals, no method calls on
+        # the path of a partitioned tensor's piece, the heap's top taken in place.
         merge = self.merge
-        main_only = self.fast is None
-        while heap:
+        fast = self.fast
+        main = self.main
+        priorities = self._main_priorities
+        op_id = self._op_ids
+        last_id = op_id + most if most is not None else -1
+        decided = 0
+        while heap and op_id != last_id:
             entry = heap[0][2]
             task = entry.task
+            numel = task.numel
             start = entry.start
-            stop = min(start + entry.step, task.numel)
+            stop = start + entry.step
+            if stop > numel:
+                stop = numel
             nbytes = (stop - start) * task.itemsize
-            if main_only:  # _lane_for's answer without a fast lane
-                window, lane, limit = self.main, 0, self.partition_bytes
+            if fast is None:  # _lane_for's answer without a fast lane
+                window, lane, limit = main, 0, self.partition_bytes
             else:
                 window, lane, limit = self._lane_for(task.priority, nbytes)
-            if window.in_flight and window.in_flight + nbytes > window.capacity:  # CreditWindow.admits
+            in_flight = window.in_flight
+            if in_flight and in_flight + nbytes > window.capacity:  # CreditWindow.admits
                 break
-            pieces = [entry.take(heap, stop)]
+            entry.start = stop  # _Queued.take, inline
+            if stop >= numel:
+                heapq.heappop(heap)
+            first = Piece(task, start, stop, entry.queued_time)
+            merged: Optional[List[Piece]] = None  # a list only once a neighbour merges in
             total = nbytes
             fuse_key = task.fuse_key
             if merge and fuse_key is not None:
-                room = min(limit, window.capacity - window.in_flight)
-                while heap:
+                room = window.capacity - in_flight
+                if room > limit:
+                    room = limit
+                # A piece that fills the room leaves none for a neighbour (pieces are never empty).
+                while total < room and heap:
                     candidate = heap[0][2]
                     size = total + candidate.next_bytes()
                     if candidate.task.fuse_key != fuse_key or size > room:
                         break
-                    pieces.append(candidate.take(heap))
+                    if merged is None:
+                        merged = [first]
+                    merged.append(candidate.take(heap))
                     total = size
-            window.in_flight += total  # CreditWindow.take, inline on this hot path
-            if window.in_flight > window.peak:
-                window.peak = window.in_flight
-            self.queued_bytes -= total
-            self._op_ids += 1
-            op = Operation(pieces, lane, self._op_ids, total)
-            if lane == 0:
-                self._main_priorities[op.op_id] = task.priority
-            ops.append(op)
+            in_flight += total  # CreditWindow.take, inline
+            window.in_flight = in_flight
+            if in_flight > window.peak:
+                window.peak = in_flight
+            decided += total
+            op_id += 1
+            if fast is not None and lane == 0:
+                priorities[op_id] = task.priority
+            ops.append(Operation((first,) if merged is None else merged, lane, op_id, total))
+        self._op_ids = op_id
+        self.queued_bytes -= decided
         if not heap:
             self._hurry = False  # the next task starts a new cycle
         return ops
@@ -245,15 +275,12 @@ class _Queued:
         task = self.task
         return (min(self.start + self.step, task.numel) - self.start) * task.itemsize
 
-    def take(self, heap: List[Tuple[float, int, "_Queued"]], stop: int = -1) -> Piece:
-        """Cut the next piece (ending at ``stop`` if the caller knows it; this entry is the
-        heap's top); pop the entry after its last."""
+    def take(self, heap: List[Tuple[float, int, "_Queued"]]) -> Piece:
+        """Cut the next piece (this entry is the heap's top); pop the entry after its last."""
         start = self.start
-        if stop < 0:
-            stop = min(start + self.step, self.task.numel)
-        piece = Piece(self.task, start, stop)
-        piece.queued_time = self.queued_time
+        numel = self.task.numel
+        stop = min(start + self.step, numel)
         self.start = stop
-        if stop >= self.task.numel:
+        if stop >= numel:
             heapq.heappop(heap)
-        return piece
+        return Piece(self.task, start, stop, self.queued_time)

@@ -46,6 +46,10 @@ from .tuning import AutoTuner
 _epochs = itertools.count()
 # How often waiting threads wake to check deadlines (seconds).
 _WATCH_INTERVAL = 0.5
+# Operations decided, published and launched at a time: a large credit admits thousands of
+# pieces at once, and objects that live that long cost the garbage collector more than
+# they cost to make; a smaller batch also lets a tensor that comes in meanwhile go first.
+_BATCH = 1024
 
 
 class State(enum.Enum):
@@ -96,7 +100,10 @@ class Scheduler:
         new_epoch = getattr(channel, "new_epoch", None)
         self._epoch = new_epoch() if new_epoch is not None else next(_epochs)
 
-        self._cond = threading.Condition(threading.Lock())
+        # Entered as the bare lock (a C call; the condition's own __enter__ is Python), waited
+        # on and notified through the condition: once or twice per operation on the hot path.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._state = State.RUNNING
         self._latch = ErrorLatch()
         self._cancel = threading.Event()  # set once work is given up: every thread ends
@@ -140,8 +147,9 @@ class Scheduler:
         Raises the scheduler's error if an earlier operation failed."""
         now = time.perf_counter()
         task.ready_time = now
-        with self._cond:
-            self._raise_if_unusable()
+        with self._lock:
+            if self._latch or self._state is not State.RUNNING:
+                self._raise_if_unusable()
             if task.numel > 0:
                 self._ledger.add(task)
                 # While the credit is full (most of a backward pass on a slow link) there is
@@ -157,7 +165,7 @@ class Scheduler:
         :class:`CommunicationTimeout` after ``timeout`` s (default: the configured one)."""
         limit = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        with self._cond:
+        with self._lock:
             self._end_burst_locked()
             self._flushers += 1
             try:
@@ -178,7 +186,7 @@ class Scheduler:
         """No more tensors are coming soon (e.g. backward ended): what is queued stops waiting
         to be merged (``cycle_ms``). Costs nothing when ``cycle_ms`` is 0."""
         if self._decider.cycle_seconds > 0:
-            with self._cond:
+            with self._lock:
                 self._end_burst_locked()
 
     def _end_burst_locked(self) -> None:
@@ -192,7 +200,7 @@ class Scheduler:
     def set_timeout(self, seconds: float) -> None:
         """Wait at most ``seconds`` for an operation or a peer from now on (e.g. rank 0's
         timeout, learned after start-up by an adapter that agrees on settings late)."""
-        with self._cond:
+        with self._lock:
             self.config = self.config.with_options(timeout=seconds)
 
     @property
@@ -212,7 +220,7 @@ class Scheduler:
     def reconfigure(self, partition_bytes: Optional[int] = None, credit_bytes: Optional[int] = None) -> None:
         """New partition and credit sizes from now on (queued tensors keep their pieces); only
         rank 0's matter when an order channel is used (the others replay its pieces)."""
-        with self._cond:
+        with self._lock:
             self.config = self.config.with_options(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
             self._decider.reconfigure(self.config.partition_bytes, self.config.credit_bytes)
             logger.debug("scheduler epoch %d: partition %d bytes, credit %d bytes", self._epoch,
@@ -251,7 +259,7 @@ class Scheduler:
         channel can be reused); ``wait=False`` abandons queued work at once (e.g. after an
         exception in the training loop). Raises an operation's error not raised before.
         """
-        with self._cond:
+        with self._lock:
             if self._state not in (State.RUNNING, State.FAILED):
                 return
             self._state = State.DRAINING if wait and self._state is State.RUNNING else State.ABANDONED
@@ -266,7 +274,7 @@ class Scheduler:
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             self._fail(CommunicationTimeout(f"rank {self.rank}: scheduler threads {stuck} did not stop in time"))
-        with self._cond:
+        with self._lock:
             abandoned = self._ledger.clear()
             self._state = State.STOPPED
         closed = SchedulerClosed(f"rank {self.rank}: the scheduler was stopped before this task was communicated")
@@ -304,12 +312,12 @@ class Scheduler:
         publish = self._channel.publish if self._leader and self._channel is not None else None
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     while True:
                         if self._cancel.is_set():
                             return
                         now = time.perf_counter()
-                        ops = decider.decide(now)
+                        ops = decider.decide(now, _BATCH)
                         if ops or self._drained():
                             break
                         self._check_deadlines(now)
@@ -345,7 +353,7 @@ class Scheduler:
         if error is not None:
             self._fail(error)
             return
-        with self._cond:
+        with self._lock:
             finished = self._ledger.complete(op)
             if finished is None:
                 return  # already failed and cleared
@@ -399,7 +407,7 @@ class Scheduler:
         """Record the first error, give up queued work and fail the futures of pending tasks."""
         if cause is not None:
             error.__cause__ = cause
-        with self._cond:
+        with self._lock:
             if self._latch:
                 return
             error = as_library_error(error, self.rank)

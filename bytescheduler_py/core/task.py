@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Hashable, List, Optional
+from typing import Any, Callable, Hashable, List, Optional, Sequence
 
 from .log import logger
 
@@ -19,10 +19,13 @@ class TaskFuture:
     condition variable unless someone waits), which matters at one future per tensor.
     """
 
-    __slots__ = ("_lock", "_done", "_result", "_exception", "_callbacks", "_event")
+    __slots__ = ("_done", "_result", "_exception", "_callbacks", "_event")
+
+    # One lock for every future: each holds it for a few statements, and a lock per future
+    # was an allocation per tensor on the training thread.
+    _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._done = False
         self._result: Any = None
         self._exception: Optional[BaseException] = None
@@ -117,7 +120,7 @@ class Task:
         "future",
         "remaining",
         "ready_time",
-        "name",
+        "_name",
         "context",
         "writes",
     )
@@ -143,7 +146,7 @@ class Task:
         self.future = TaskFuture()
         self.remaining = self.numel
         self.ready_time = 0.0
-        self.name = name if name is not None else f"key{self.key}"
+        self._name = name  # None: named after the key when asked (no formatting per tensor)
         self.context = context
         # In-place writes the backend made to the payload besides communicating into it
         # (e.g. copying a fused result back): adapters compare tensor versions with it.
@@ -152,6 +155,15 @@ class Task:
     @property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
+
+    @property
+    def name(self) -> str:
+        """The tensor's name for logs and the timeline (``key<N>`` when none was given)."""
+        return self._name if self._name is not None else f"key{self.key}"
+
+    @name.setter
+    def name(self, value: Optional[str]) -> None:
+        self._name = value
 
     def __repr__(self) -> str:
         return (
@@ -165,12 +177,12 @@ class Piece:
 
     __slots__ = ("task", "start", "stop", "nbytes", "queued_time")
 
-    def __init__(self, task: Task, start: int, stop: int) -> None:
+    def __init__(self, task: Task, start: int, stop: int, queued_time: float = 0.0) -> None:
         self.task = task
         self.start = start
         self.stop = stop
         self.nbytes = (stop - start) * task.itemsize
-        self.queued_time = 0.0
+        self.queued_time = queued_time
 
     def __repr__(self) -> str:
         return f"Piece({self.task.name!r}, [{self.start}, {self.stop}))"
@@ -181,7 +193,7 @@ class Operation:
 
     __slots__ = ("pieces", "lane", "nbytes", "op_id", "launch_time", "context")
 
-    def __init__(self, pieces: List[Piece], lane: int, op_id: int, nbytes: Optional[int] = None) -> None:
+    def __init__(self, pieces: Sequence[Piece], lane: int, op_id: int, nbytes: Optional[int] = None) -> None:
         self.pieces = pieces
         self.lane = lane
         self.nbytes = sum(p.nbytes for p in pieces) if nbytes is None else nbytes
