@@ -195,7 +195,7 @@ def scenario_switch() -> None:
     """The mode switch with short phases: both paths run, switching often, on every rank alike."""
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1)
+    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
     runs = [
         compare("cnn-small", "sgd", 1, adaptive=True),
         compare("gpt2-small", "adamw", 1, adaptive=True, idiom=True),
@@ -496,7 +496,7 @@ def _lockstep(options) -> dict:
 def scenario_many() -> None:
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1)
+    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
     if hvd.rank() == hvd.size() - 1:
         time.sleep(3.0)  # joins late: the others wait in the start-up agreement
     report(scenario="many", pieces=_lockstep(dict(partition_bytes="4KiB", credit_bytes="16KiB", adaptive=False)),

@@ -135,7 +135,7 @@ def test_a_plan_replaces_the_defaults_and_explicit_settings_win(tmp_path):
 
 
 def test_a_plain_start_holds_the_plain_path_then_tries_the_schedule():
-    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=3, start=PLAIN)
+    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=3, start=PLAIN, min_retrial=2)
     times = {SCHEDULED: 0.5, PLAIN: 1.0}
     for _ in range(10):
         chooser.record(times[chooser.mode])

@@ -106,6 +106,14 @@ class ModeChooser:
         clear: a difference this large (and beyond the noise) decides after one trial pair,
             once each path has at least ``min_clear_samples`` timed steps (fewer are too noisy
             to decide early: four steps per path chose a schedule 5% slower, 2026-11-26).
+        min_retrial: a re-trial, and the held path's steps after it, last at least this many
+            steps (else ``trial``), so both sides are timed in pairs (:func:`_paired`); and it
+            switches only when the other path's lead is beyond the noise of each side taken
+            alone (at first choices the two sides' noise is averaged). Re-trials of four steps
+            switched on leads of 4-10% that the blocks did not show: the held side's paired
+            steps happened to agree closely (two of four pairs equal), which set a margin
+            smaller than the re-trial's own spread (DDP + hook and ScheduledOptimizer,
+            2026-11-26; ScheduledOptimizer 0.95x of DDP in the demo after one).
         start: :data:`SCHEDULED` (times both paths first) or :data:`PLAIN`: start with a hold
             of the plain path, as if it had been chosen (a plan's advice, ``start_plain``);
             it counts as the first choice.
@@ -117,9 +125,10 @@ class ModeChooser:
     def __init__(self, warmup: int = 3, settle: int = 1, trial: int = 4, pairs: int = 3, hold: int = 200,
                  max_hold: int = 3200, margin: float = 0.01, clear: float = 0.10, trial_seconds: float = 0.5,
                  max_trial: int = 64, clear_hold: int = 4, start: str = SCHEDULED,
-                 min_clear_samples: int = 8, decisive: float = 0.20, verify_hold: int = 50) -> None:
-        if min(warmup, trial, pairs, hold, verify_hold) < 1 or settle < 0 or max_trial < trial or trial_seconds < 0:
-            raise ValueError("warmup, trial, pairs, hold and verify_hold must be at least 1, settle and "
+                 min_clear_samples: int = 8, decisive: float = 0.20, verify_hold: int = 50,
+                 min_retrial: int = 8) -> None:
+        if min(warmup, trial, pairs, hold, verify_hold, min_retrial) < 1 or settle < 0 or max_trial < trial or trial_seconds < 0:
+            raise ValueError("warmup, trial, pairs, hold, verify_hold and min_retrial must be at least 1, settle and "
                              "trial_seconds at least 0, and max_trial at least trial")
         self.settle, self.trial, self.pairs = settle, trial, pairs
         self.min_trial, self.max_trial, self.trial_seconds = trial, max_trial, trial_seconds
@@ -128,6 +137,7 @@ class ModeChooser:
         self.verify_hold = min(verify_hold, hold)
         self._verifying = False  # the hold now running is a first choice's short one
         self.min_clear_samples = min_clear_samples
+        self.min_retrial = min_retrial
         self.mode = SCHEDULED
         self.decisions = 0  # decision points passed
         # rank 0: every choice made, with the step times it was made from (for reports)
@@ -157,6 +167,11 @@ class ModeChooser:
         return [mode for mode, steps in self._runs for _ in range(steps)]
 
     @property
+    def retrial(self) -> int:
+        """Steps of a re-trial, and of the held path's steps after it."""
+        return max(self.trial, self.min_retrial)
+
+    @property
     def fixed(self) -> bool:
         """True once choosing stopped for good (:meth:`adopt` of :data:`STOP`): the scheduled path stays."""
         return self._phase == _FIXED
@@ -175,7 +190,7 @@ class ModeChooser:
         if self._done < self._length:
             return False
         if self._phase == _HOLD:
-            self._start(_RETRIAL, _other(self.mode), self.trial)
+            self._start(_RETRIAL, _other(self.mode), self.retrial)
             return False
         if self._phase == _TRIAL and self.mode == SCHEDULED:
             self._trials[SCHEDULED] += self._samples
@@ -186,7 +201,7 @@ class ModeChooser:
             self._pairs_run += 1
         if self._phase == _RETRIAL:  # back to the held mode, timed as the other half of the reference
             self._retried = self._samples
-            self._start(_BACK, _other(self.mode), self.trial)
+            self._start(_BACK, _other(self.mode), self.retrial)
             return False
         return True  # the warm-up, a trial pair or a re-trial (and the steps back) is complete
 
@@ -242,7 +257,7 @@ class ModeChooser:
             return
         self._samples.append(seconds)
         if self._phase == _HOLD:
-            self._held = (self._held + [seconds])[-4 * self.trial:]
+            self._held = (self._held + [seconds])[-self.retrial:]
 
     def propose(self) -> int:
         """Rank 0 at a decision point: what every rank should do next."""
@@ -253,11 +268,11 @@ class ModeChooser:
         if self._phase == _BACK:
             # The held mode's steps just before the re-trial and just after it, against the
             # re-trial's: a machine that slows down or speeds up meanwhile weighs on both sides.
-            held = self._held[-self.trial:] + self._samples
+            held = self._held[-self.retrial:] + self._samples
             if not held or not self._retried:
                 return _CHOICE[self.mode]  # nothing to compare: stay on the held mode
             samples = {self.mode: held, _other(self.mode): self._retried}
-            winner, told_apart, _ = self._verdict(samples)
+            winner, told_apart, _ = self._verdict(samples, each_side=True)
             if not told_apart:
                 # A re-trial looks for a change: the held path, chosen on evidence, stays unless
                 # the other is faster beyond the noise (a tie used to go to the plain path, and a
@@ -285,13 +300,17 @@ class ModeChooser:
         self.verdicts.append({"kind": kind, "step": sum(steps for _, steps in self._runs), "winner": winner, "told_apart": told_apart,
                               "clear": clear, **{f"{mode}_s": [round(t, 6) for t in samples[mode]] for mode in MODES}})
 
-    def _verdict(self, samples: Dict[str, List[float]]) -> Tuple[str, bool, Tuple[float, float]]:
+    def _verdict(self, samples: Dict[str, List[float]], each_side: bool = False) -> Tuple[str, bool, Tuple[float, float]]:
         """The faster path (ties and differences within the noise: plain), whether its lead is
         larger than the margin and the noise (False: a tie, or samples too noisy), and the
-        (scheduled, plain) medians it compared (over pairs of steps, :func:`_paired`)."""
+        (scheduled, plain) medians it compared (over pairs of steps, :func:`_paired`).
+
+        The noise is the two sides' standard errors averaged, or with ``each_side`` the larger
+        of the two (a re-trial: one side's steps agreeing by chance must not shrink it)."""
         paired = {mode: _paired(samples[mode]) for mode in MODES}
         scheduled, plain = _median(paired[SCHEDULED]), _median(paired[PLAIN])
-        margin = max(self.margin, 2.5 * (_relative_error(paired[SCHEDULED]) + _relative_error(paired[PLAIN])) / 2)
+        errors = (_relative_error(paired[SCHEDULED]), _relative_error(paired[PLAIN]))
+        margin = max(self.margin, 2.5 * (max(errors) if each_side else sum(errors) / 2))
         if scheduled < plain * (1.0 - margin):
             return SCHEDULED, True, (scheduled, plain)
         return PLAIN, plain < scheduled * (1.0 - margin), (scheduled, plain)

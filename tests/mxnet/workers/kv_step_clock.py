@@ -25,7 +25,7 @@ def main() -> None:
 
     # warm-up 2, then one pair of 3-step trials (a step each to settle), decided at once
     modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=3, pairs=1, hold=50, trial_seconds=0, clear_hold=1,
-                                 min_clear_samples=1)
+                                 min_clear_samples=1, min_retrial=3)
     kv = ScheduledKVStore("dist_sync", adaptive=True, timeout=60)
     mx.random.seed(3)
     net = gluon.nn.Sequential()
