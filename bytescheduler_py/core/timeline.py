@@ -11,7 +11,7 @@ import json
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:
     from .task import Operation, Task
@@ -98,7 +98,7 @@ class Timeline:
             if len(self._events) >= _FLUSH_EVERY:
                 self._flush()
 
-    def operation(self, op: "Operation", finished: "List[Task]", end: float) -> None:
+    def operation(self, op: "Operation", finished: "Sequence[Task]", end: float) -> None:
         """Record one finished operation: its pieces' time in the queue, its time in flight on
         its lane, and the tasks it finished (ready to done)."""
         names = "+".join(p.task.name for p in op.pieces)
