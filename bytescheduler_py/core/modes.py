@@ -85,12 +85,12 @@ class ModeChooser:
         pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
             difference larger than ``clear`` decides at once if it is also larger than the
             noise (otherwise the next pair is timed, and the samples of all pairs pool).
-        hold: steps the faster path runs before the slower one is tried again (one trial of
-            it, then one of the held path again: the re-trial is compared with the held path's
-            steps just before and just after it, so a machine that slows down or speeds up
-            meanwhile weighs on both sides; the held path stays unless the re-trial's is
-            faster beyond the noise); doubled each time the re-trial confirms the
-            choice, up to ``max_hold``. A first choice by a
+        hold: steps the faster path runs before the slower one is tried again (a re-trial of
+            it, :attr:`retrial` steps, then as many of the held path again: the re-trial is
+            compared with the held path's steps just before and just after it, so a machine
+            that slows down or speeds up meanwhile weighs on both sides; the held path stays
+            unless the re-trial's is faster beyond the noise); doubled each time the re-trial
+            confirms the choice, up to ``max_hold``. A first choice by a
             difference larger than ``decisive`` (a fraction of the slower path's step) and than
             the noise holds ``clear_hold`` times as long (a re-trial of a much slower path costs
             the most, and its verdict is least in doubt). Any other first choice is looked at
@@ -127,7 +127,8 @@ class ModeChooser:
                  max_trial: int = 64, clear_hold: int = 4, start: str = SCHEDULED,
                  min_clear_samples: int = 8, decisive: float = 0.20, verify_hold: int = 50,
                  min_retrial: int = 8) -> None:
-        if min(warmup, trial, pairs, hold, verify_hold, min_retrial) < 1 or settle < 0 or max_trial < trial or trial_seconds < 0:
+        if (min(warmup, trial, pairs, hold, verify_hold, min_retrial) < 1 or settle < 0 or max_trial < trial
+                or trial_seconds < 0):
             raise ValueError("warmup, trial, pairs, hold, verify_hold and min_retrial must be at least 1, settle and "
                              "trial_seconds at least 0, and max_trial at least trial")
         self.settle, self.trial, self.pairs = settle, trial, pairs
@@ -300,7 +301,8 @@ class ModeChooser:
         self.verdicts.append({"kind": kind, "step": sum(steps for _, steps in self._runs), "winner": winner, "told_apart": told_apart,
                               "clear": clear, **{f"{mode}_s": [round(t, 6) for t in samples[mode]] for mode in MODES}})
 
-    def _verdict(self, samples: Dict[str, List[float]], each_side: bool = False) -> Tuple[str, bool, Tuple[float, float]]:
+    def _verdict(self, samples: Dict[str, List[float]],
+                 each_side: bool = False) -> Tuple[str, bool, Tuple[float, float]]:
         """The faster path (ties and differences within the noise: plain), whether its lead is
         larger than the margin and the noise (False: a tie, or samples too noisy), and the
         (scheduled, plain) medians it compared (over pairs of steps, :func:`_paired`).
