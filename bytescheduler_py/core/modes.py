@@ -269,7 +269,7 @@ class ModeChooser:
         if self._phase == _BACK:
             # The held mode's steps just before the re-trial and just after it, against the
             # re-trial's: a machine that slows down or speeds up meanwhile weighs on both sides.
-            held = self._held[-self.retrial:] + self._samples
+            held = self._held + self._samples  # the hold's last steps (record keeps ``retrial``)
             if not held or not self._retried:
                 return _CHOICE[self.mode]  # nothing to compare: stay on the held mode
             samples = {self.mode: held, _other(self.mode): self._retried}

@@ -95,14 +95,11 @@ class SchedulingPolicy:
 
     def finished(self, op: Operation) -> None:
         """``op`` (one this policy decided) completed: its credit is free again."""
-        fast = self.fast
-        if fast is None:
+        if op.lane == 0 or self.fast is None:
             self.main.in_flight -= op.nbytes
-        elif op.lane == 0:
-            self.main.in_flight -= op.nbytes
-            self._main_priorities.pop(op.op_id, None)  # kept only for the fast lane's choice
+            self._main_priorities.pop(op.op_id, None)  # kept (by decide) only with a fast lane
         else:
-            fast.in_flight -= op.nbytes
+            self.fast.in_flight -= op.nbytes
 
     def end_burst(self) -> bool:
         """No more tasks are coming soon: stop holding what is queued. True if that changed anything."""
@@ -155,13 +152,12 @@ class SchedulingPolicy:
 
     def can_launch(self, now: float) -> bool:
         """True when :meth:`decide` would return an operation now."""
-        heap = self._heap
-        if not heap or (self.cycle_seconds > 0 and self.hold_remaining(now) > 0):
+        if not self._heap or self.hold_remaining(now) > 0:
             return False
-        first = heap[0][2]
+        first = self._heap[0][2]
         nbytes = first.next_bytes()
-        window = self.main if self.fast is None else self._lane_for(first.task.priority, nbytes)[0]
-        return window.in_flight == 0 or window.in_flight + nbytes <= window.capacity  # CreditWindow.admits
+        window, _, _ = self._lane_for(first.task.priority, nbytes)
+        return window.admits(nbytes)
 
     def wake_on_completion(self, now: float) -> bool:
         """After :meth:`finished`: True when the freed credit lets queued work go."""
