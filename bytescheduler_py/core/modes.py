@@ -102,7 +102,10 @@ class ModeChooser:
             plain path's by more than this fraction, and by more than the measured noise
             (two and a half standard errors of the medians; both taken over pairs of
             consecutive steps, :func:`_paired`): ties, and differences the
-            samples cannot tell apart, go to the cheaper, plain path.
+            samples cannot tell apart, go to the cheaper, plain path. After all ``pairs`` trial
+            pairs, the pace of whole trial phases (:meth:`_paced`) also decides: a path whose
+            every phase beats the other's next to it, beyond the phases' noise, wins; where the
+            two readings disagree, the plain path runs.
         clear: a difference this large (and beyond the noise) decides after one trial pair,
             once each path has at least ``min_clear_samples`` timed steps (fewer are too noisy
             to decide early: four steps per path chose a schedule 5% slower, 2026-11-26).
@@ -151,6 +154,7 @@ class ModeChooser:
         self._samples: List[float] = []  # timed steps of the current phase
         self._settling = 0
         self._trials: Dict[str, List[float]] = {SCHEDULED: [], PLAIN: []}
+        self._phases: Dict[str, List[List[float]]] = {SCHEDULED: [], PLAIN: []}  # the same, phase by phase
         self._pairs_run = 0
         self._hold = hold
         self._held: List[float] = []  # the hold's last timed steps (half the re-trial's reference)
@@ -193,12 +197,12 @@ class ModeChooser:
         if self._phase == _HOLD:
             self._start(_RETRIAL, _other(self.mode), self.retrial)
             return False
-        if self._phase == _TRIAL and self.mode == SCHEDULED:
-            self._trials[SCHEDULED] += self._samples
-            self._start(_TRIAL, PLAIN, self.trial)
-            return False
         if self._phase == _TRIAL:
-            self._trials[PLAIN] += self._samples
+            self._trials[self.mode] += self._samples
+            self._phases[self.mode].append(self._samples)
+            if self.mode == SCHEDULED:
+                self._start(_TRIAL, PLAIN, self.trial)
+                return False
             self._pairs_run += 1
         if self._phase == _RETRIAL:  # back to the held mode, timed as the other half of the reference
             self._retried = self._samples
@@ -234,6 +238,7 @@ class ModeChooser:
             hold = self.verify_hold
         self._verifying = hold is not None and hold < self.first_hold
         self._trials = {SCHEDULED: [], PLAIN: []}
+        self._phases = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._held, self._retried = [], []
         self._start(_HOLD, chosen, self._hold if hold is None else hold, drained)
@@ -292,6 +297,12 @@ class ModeChooser:
         clear = enough and told_apart and abs(scheduled - plain) >= self.clear * max(scheduled, plain)
         if self._pairs_run < self.pairs and not clear:
             return CONTINUE
+        if not clear:
+            paced = self._paced(self._phases)
+            if paced is not None and told_apart and paced != winner:
+                winner, told_apart = PLAIN, False  # the two readings disagree: a tie
+            elif paced is not None:
+                winner, told_apart = paced, True
         self._note("trials", samples, winner, told_apart, clear)
         decisive = clear and abs(scheduled - plain) >= self.decisive * max(scheduled, plain)
         return encode(_CHOICE[winner], CLEAR if decisive else 0)
@@ -300,6 +311,39 @@ class ModeChooser:
         """Keep a verdict and the step times behind it (:attr:`verdicts`)."""
         self.verdicts.append({"kind": kind, "step": sum(steps for _, steps in self._runs), "winner": winner, "told_apart": told_apart,
                               "clear": clear, **{f"{mode}_s": [round(t, 6) for t in samples[mode]] for mode in MODES}})
+
+    def _paced(self, phases: Dict[str, List[List[float]]]) -> Optional[str]:
+        """The faster path by the pace of whole trial phases, or None where they cannot tell.
+
+        A pipelined path's steps can repeat a pattern longer than two (Horovod + ScheduledOptimizer,
+        VGG-like at 1 Gbit/s: a long step every three or four, 1.05-2.02 s), which pairs of steps
+        (:func:`_paired`) still count as noise: its first trials led Horovod's steady path by 7%,
+        a tie against a margin of 10%, and Horovod's path ran until a re-trial 70 steps later
+        (0.99x in that run). The mean step of each trial phase is the path's pace over the
+        phase, the figure a training run's throughput follows, and each scheduled phase runs
+        right before a plain one, so their ratio is a paired comparison (a machine that drifts
+        moves both). With at least three pairs of phases, a path is faster when every pair says
+        so by more than ``margin`` and the ratios' mean by more than three standard errors of
+        it. A step longer than three times the median step of both paths (e.g. the machine busy
+        with something else) counts as three medians.
+
+        >>> chooser = ModeChooser()
+        >>> pattern = [1.33, 1.05, 2.02, 1.2]  # steps of a schedule's phase
+        >>> chooser._paced({SCHEDULED: [pattern] * 3, PLAIN: [[1.5, 1.45, 1.45, 1.5]] * 3})
+        'scheduled'
+        >>> chooser._paced({SCHEDULED: [pattern] * 3, PLAIN: [[1.5, 1.45, 1.45, 1.5]] * 2 + [[1.2, 1.3, 1.35, 1.3]]})
+        """
+        pairs = [(s, p) for s, p in zip(phases[SCHEDULED], phases[PLAIN]) if s and p]
+        if len(pairs) < 3:
+            return None
+        cap = 3 * statistics.median([t for pair in pairs for side in pair for t in side])
+        ratios = [statistics.fmean(min(t, cap) for t in s) / statistics.fmean(min(t, cap) for t in p) for s, p in pairs]
+        error = statistics.stdev(ratios) / math.sqrt(len(ratios))
+        if max(ratios) < 1 - self.margin and 1 - statistics.fmean(ratios) > 3 * error:
+            return SCHEDULED
+        if min(ratios) > 1 + self.margin and statistics.fmean(ratios) - 1 > 3 * error:
+            return PLAIN
+        return None
 
     def _verdict(self, samples: Dict[str, List[float]],
                  each_side: bool = False) -> Tuple[str, bool, Tuple[float, float]]:
