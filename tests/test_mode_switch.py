@@ -275,6 +275,14 @@ def test_retrials_last_eight_steps_unless_trials_are_longer():
         ModeChooser(min_retrial=0)
 
 
+def _trials(scheduled, plain, trial):
+    """A chooser's first verdict after three trial pairs of ``trial`` steps timed as given."""
+    steps = {SCHEDULED: iter(scheduled), PLAIN: iter(plain)}
+    chooser = ModeChooser(warmup=1, settle=0, trial=trial, pairs=3, trial_seconds=0, min_retrial=trial)
+    _drive(chooser, lambda mode, step: 1.5 if step == 0 else next(steps[mode]), 1 + 6 * trial)
+    return chooser
+
+
 def test_pipelined_steps_are_timed_in_pairs():
     # ScheduledOptimizer, VGG-like at 1 Gbit/s (2026-11-26): the held schedule's steps alternate
     # long and short (0.91-1.37 s, and one of 69 s: the bench's other systems ran meanwhile),
@@ -289,19 +297,9 @@ def test_pipelined_steps_are_timed_in_pairs():
     # Horovod + ScheduledOptimizer's first trials in the same run (three pairs of 4 steps):
     # steps of 0.96-1.77 s against 1.36-1.57 s, medians 1.42 and 1.44 s: a tie one by one,
     # the schedule 6% faster and told apart in pairs.
-    scheduled = iter([1.773, 0.961, 1.294, 1.151, 1.536, 1.183, 1.408, 1.433, 1.506, 1.647, 1.008, 1.612])
-    plain = iter([1.418, 1.407, 1.574, 1.463, 1.506, 1.425, 1.357, 1.445, 1.453, 1.442, 1.428, 1.531])
-    trials = ModeChooser(warmup=1, settle=0, trial=4, pairs=3, min_clear_samples=8, trial_seconds=0, min_retrial=4)
-    _drive(trials, lambda mode, step: 1.5 if step == 0 else next(scheduled) if mode == SCHEDULED else next(plain), 1 + 24)
+    trials = _trials([1.773, 0.961, 1.294, 1.151, 1.536, 1.183, 1.408, 1.433, 1.506, 1.647, 1.008, 1.612],
+                     [1.418, 1.407, 1.574, 1.463, 1.506, 1.425, 1.357, 1.445, 1.453, 1.442, 1.428, 1.531], 4)
     assert trials.verdicts[0]["winner"] == SCHEDULED and trials.verdicts[0]["told_apart"], trials.verdicts
-
-
-def _trials(scheduled, plain, trial):
-    """A chooser's first verdict after three trial pairs of ``trial`` steps timed as given."""
-    steps = {SCHEDULED: iter(scheduled), PLAIN: iter(plain)}
-    chooser = ModeChooser(warmup=1, settle=0, trial=trial, pairs=3, trial_seconds=0, min_retrial=trial)
-    _drive(chooser, lambda mode, step: 1.5 if step == 0 else next(steps[mode]), 1 + 6 * trial)
-    return chooser
 
 
 def test_a_pattern_longer_than_two_steps_is_timed_by_the_pace_of_whole_trial_phases():

@@ -153,8 +153,7 @@ class ModeChooser:
         self._done = 0  # steps of the current phase
         self._samples: List[float] = []  # timed steps of the current phase
         self._settling = 0
-        self._trials: Dict[str, List[float]] = {SCHEDULED: [], PLAIN: []}
-        self._phases: Dict[str, List[List[float]]] = {SCHEDULED: [], PLAIN: []}  # the same, phase by phase
+        self._phases: Dict[str, List[List[float]]] = {SCHEDULED: [], PLAIN: []}  # trial steps, phase by phase
         self._pairs_run = 0
         self._hold = hold
         self._held: List[float] = []  # the hold's last timed steps (half the re-trial's reference)
@@ -198,7 +197,6 @@ class ModeChooser:
             self._start(_RETRIAL, _other(self.mode), self.retrial)
             return False
         if self._phase == _TRIAL:
-            self._trials[self.mode] += self._samples
             self._phases[self.mode].append(self._samples)
             if self.mode == SCHEDULED:
                 self._start(_TRIAL, PLAIN, self.trial)
@@ -237,7 +235,6 @@ class ModeChooser:
         else:  # a first choice from trials, not decisive: a second look soon
             hold = self.verify_hold
         self._verifying = hold is not None and hold < self.first_hold
-        self._trials = {SCHEDULED: [], PLAIN: []}
         self._phases = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._held, self._retried = [], []
@@ -287,7 +284,7 @@ class ModeChooser:
                 winner = self.mode
             self._note("re-trial", samples, winner, told_apart, False)
             return _CHOICE[winner]
-        samples = self._trials
+        samples = {mode: [t for phase in self._phases[mode] for t in phase] for mode in MODES}  # pooled
         if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
         winner, told_apart, (scheduled, plain) = self._verdict(samples)
@@ -338,10 +335,10 @@ class ModeChooser:
             return None
         cap = 3 * statistics.median([t for pair in pairs for side in pair for t in side])
         ratios = [statistics.fmean(min(t, cap) for t in s) / statistics.fmean(min(t, cap) for t in p) for s, p in pairs]
-        error = statistics.stdev(ratios) / math.sqrt(len(ratios))
-        if max(ratios) < 1 - self.margin and 1 - statistics.fmean(ratios) > 3 * error:
+        mean, error = statistics.fmean(ratios), statistics.stdev(ratios) / math.sqrt(len(ratios))
+        if max(ratios) < 1 - self.margin and 1 - mean > 3 * error:
             return SCHEDULED
-        if min(ratios) > 1 + self.margin and statistics.fmean(ratios) - 1 > 3 * error:
+        if min(ratios) > 1 + self.margin and mean - 1 > 3 * error:
             return PLAIN
         return None
 
