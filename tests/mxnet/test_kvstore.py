@@ -254,6 +254,26 @@ def test_push_enters_the_scheduler_when_its_array_is_computed(tmp_path):
         assert spans["key1"][0] < times["called"] + 0.05, ("the ready key waited for the slow one", rank, spans, times)
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_an_operation_that_finishes_early_is_reported_before_older_ones(tmp_path):
+    """Credit comes back when an operation finishes, not when every older one did: key 0's pull
+    waits for a half-second product that reads its output array, key 1 (issued after it) is done
+    at once and must be reported so (one thread waiting in issue order reported it after key 0)."""
+    output, messages = io.StringIO(), io.StringIO()
+    status = launch([PY, str(WORKERS / "kv_early.py"), str(tmp_path)], num_workers=2, num_servers=1,
+                    deadline=DEADLINE, env=dict(ENV, MXNET_CPU_WORKER_NTHREADS="2"), output=output,
+                    messages=messages, grace=3.0)
+    text = f"--- output\n{output.getvalue()}\n--- messages\n{messages.getvalue()}"
+    assert status == 0, text
+    computed = {rank: float(t) for rank, t in re.findall(r"EARLY rank=(\d) computed=([\d.]+)", text)}
+    assert sorted(computed) == ["0", "1"], text
+    for rank, product_done in computed.items():
+        spans = _task_spans(tmp_path / f"early.rank{rank}.json")
+        slow_end, fast_end = spans["key0"][1], spans["key1"][1]
+        assert slow_end >= product_done - 0.01, ("key 0 finished before the product it waits for", rank, spans)
+        assert fast_end < product_done - 0.2, ("key 1 was reported late", rank, fast_end - product_done, spans)
+
+
 # --- (e) a worker dies in the middle of training: what `bytescheduler mxnet-launch` shows --------
 def start_dying_job(exit_code, marker):
     return Streamed([str(CONSOLE), "mxnet-launch", "-n", "2", "-s", "1", "--deadline", str(DEADLINE), "--",
