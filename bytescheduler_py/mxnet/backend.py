@@ -133,7 +133,7 @@ class _Waiters:
     waits for the operations in the order they were issued reports one that finished early (a
     small key whose server is local, the first layers' pieces issued behind a large layer)
     only once every older one finished, and its credit stays taken meanwhile: on VGG-like at
-    1 Gbit/s the first layers' pieces were reported 500-700 ms after they were done, and the
+    1 Gbit/s the first layers' pieces were reported 400-650 ms after they were done, and the
     most urgent large layer waited that long for credit. So every operation in flight has a
     thread of its own blocked on it: one is started whenever none is idle, up to ``most``
     (daemon threads: a peer's death must not hold up the interpreter's exit).
