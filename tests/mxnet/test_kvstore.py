@@ -257,8 +257,9 @@ def test_push_enters_the_scheduler_when_its_array_is_computed(tmp_path):
 @pytest.mark.timeout(TIMEOUT)
 def test_an_operation_that_finishes_early_is_reported_before_older_ones(tmp_path):
     """Credit comes back when an operation finishes, not when every older one did: key 0's pull
-    waits for a half-second product that reads its output array, key 1 (issued after it) is done
-    at once and must be reported so (one thread waiting in issue order reported it after key 0)."""
+    waits for a product (0.8 s) that reads its output array, key 1 (issued after it) is done at
+    once and must be reported so (one thread waiting in issue order reported it after key 0).
+    After ``close`` no thread of the store's is left (the worker checks)."""
     output, messages = io.StringIO(), io.StringIO()
     status = launch([PY, str(WORKERS / "kv_early.py"), str(tmp_path)], num_workers=2, num_servers=1,
                     deadline=DEADLINE, env=dict(ENV, MXNET_CPU_WORKER_NTHREADS="2"), output=output,
