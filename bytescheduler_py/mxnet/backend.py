@@ -61,8 +61,8 @@ _BURST_SECONDS = 0.001
 # it), (array, False) to wait until readable (a pull writes it).
 _Waits = List[Tuple[Any, bool]]
 
-# At most this many waiter threads; more operations in flight queue for the next free one.
-# The default credit (64 MiB of 4 MiB pieces) keeps 16-24 operations in flight.
+# Waiter threads per store; more operations in flight queue for the next free one. The default
+# credit (64 MiB of 4 MiB pieces) keeps 16-30 operations in flight.
 _MOST_WAITERS = 32
 
 
@@ -134,29 +134,23 @@ class _Waiters:
     small key whose server is local, the first layers' pieces issued behind a large layer)
     only once every older one finished, and its credit stays taken meanwhile: on VGG-like at
     1 Gbit/s the first layers' pieces were reported 400-650 ms after they were done, and the
-    most urgent large layer waited that long for credit. So every operation in flight has a
-    thread of its own blocked on it: one is started whenever none is idle, up to ``most``
-    (daemon threads: a peer's death must not hold up the interpreter's exit).
+    most urgent large layer waited that long for credit. So up to ``most`` operations in
+    flight each have a thread of their own blocked on them. The threads start with the store
+    (daemon threads: a peer's death must not hold up the interpreter's exit); started on
+    demand, a new peak of operations late in training would add threads, which reads as a
+    leak (the soak test's flat thread count).
     """
 
     def __init__(self, rank: int, most: int = _MOST_WAITERS) -> None:
         self._rank = rank
-        self._most = most
         self._queue: "queue.SimpleQueue[Optional[Tuple[_Waits, Done]]]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0  # started threads not holding an operation, less those already promised one
-        self._threads: List[threading.Thread] = []
+        self._threads = [threading.Thread(target=self._run, name=f"bytescheduler-wait-r{rank}-{index}", daemon=True)
+                         for index in range(most)]
+        for thread in self._threads:
+            thread.start()
 
     def put(self, waits: _Waits, done: Done) -> None:
         """Call ``done`` (on a waiter thread) once every array of ``waits`` is done."""
-        with self._lock:
-            if self._idle:
-                self._idle -= 1
-            elif len(self._threads) < self._most:
-                thread = threading.Thread(target=self._run, name=f"bytescheduler-wait-r{self._rank}-{len(self._threads)}",
-                                          daemon=True)
-                self._threads.append(thread)
-                thread.start()
         self._queue.put((waits, done))
 
     def _run(self) -> None:
@@ -174,21 +168,17 @@ class _Waiters:
                 error = None
             except BaseException as exc:  # noqa: BLE001
                 error = CommunicationError(f"rank {self._rank}: kvstore operation failed: {exc}")
-            with self._lock:
-                self._idle += 1
             done(error)
 
     def close(self, timeout: float) -> bool:
         """Stop every waiter thread once the operations queued before finished; False when
         one did not stop within ``timeout`` s."""
-        with self._lock:
-            threads, self._most = list(self._threads), 0
-        for _ in threads:
+        for _ in self._threads:
             self._queue.put(None)
         deadline = time.monotonic() + timeout
-        for thread in threads:
+        for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in threads)
+        return not any(thread.is_alive() for thread in self._threads)
 
 
 class Job:
