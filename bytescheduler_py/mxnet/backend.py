@@ -63,7 +63,7 @@ _Waits = List[Tuple[Any, bool]]
 
 # Waiter threads per store; more operations in flight queue for the next free one. The default
 # credit (64 MiB of 4 MiB pieces) keeps 16-30 operations in flight.
-_MOST_WAITERS = 32
+_WAITERS = 32
 
 
 def wait_to_write(arr: Any) -> None:
@@ -134,18 +134,18 @@ class _Waiters:
     small key whose server is local, the first layers' pieces issued behind a large layer)
     only once every older one finished, and its credit stays taken meanwhile: on VGG-like at
     1 Gbit/s the first layers' pieces were reported 400-650 ms after they were done, and the
-    most urgent large layer waited that long for credit. So up to ``most`` operations in
+    most urgent large layer waited that long for credit. So up to ``count`` operations in
     flight each have a thread of their own blocked on them. The threads start with the store
     (daemon threads: a peer's death must not hold up the interpreter's exit); started on
     demand, a new peak of operations late in training would add threads, which reads as a
     leak (the soak test's flat thread count).
     """
 
-    def __init__(self, rank: int, most: int = _MOST_WAITERS) -> None:
+    def __init__(self, rank: int, count: int = _WAITERS) -> None:
         self._rank = rank
         self._queue: "queue.SimpleQueue[Optional[Tuple[_Waits, Done]]]" = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._run, name=f"bytescheduler-wait-r{rank}-{index}", daemon=True)
-                         for index in range(most)]
+                         for index in range(count)]
         for thread in self._threads:
             thread.start()
 
