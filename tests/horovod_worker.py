@@ -128,6 +128,11 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     losses = [[], []]
+    hooks = []  # per step: did Horovod's own gradient hooks launch all-reduces in this backward?
+    launches = []
+    if hasattr(inner, "_allreduce_grad_async"):  # an hvd.DistributedOptimizer: count its launches
+        own_launch = inner._allreduce_grad_async
+        inner._allreduce_grad_async = lambda p: launches.append(p) or own_launch(p)
     for step in range(steps):
         if idiom and step == steps // 3:
             for _, optimizer, _ in runs:
@@ -138,6 +143,9 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
                 x, y = batch(make_batch, step, micro)
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
+            if optimizer is scheduled:
+                hooks.append("h" if launches else "-")
+                launches.clear()
             losses[index].append(loss.item())
             optimizer.step()
             if schedule is not None:
@@ -164,6 +172,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
         "channel": type(scheduled._bytescheduler.scheduler._channel).__name__,
         "credit_bytes": scheduled._bytescheduler.scheduler.config.credit_bytes,
         "modes": None if switch is None else "".join(mode[0] for mode in switch.chooser.history),
+        "horovod_hooks": "".join(hooks),
         "tuning": None if tuner is None else {
             "done": tuner.done, "settings": [[t.partition_bytes, t.credit_bytes] for t in tuner.history],
         },

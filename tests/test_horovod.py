@@ -187,6 +187,13 @@ def test_mode_switch_runs_both_paths_alike_on_every_rank_and_keeps_the_numbers()
         # 30 steps (and the step of broadcast_optimizer_state): warm-up, the scheduled trial, the plain one.
         assert len(modes) == 30 + first["idiom"] and modes.startswith("sssssp"), modes
         assert "p" in modes and modes.count("sp") + modes.count("ps") >= 4, modes
+        # Horovod's own path is run by the user's hvd.DistributedOptimizer itself: its gradient
+        # hooks launch the all-reduces in exactly the plain steps' backward passes, never in the
+        # scheduled ones (a plain torch optimizer has no such hooks: our reducer runs that path).
+        for run in (first, second):
+            training = run["modes"][-len(run["horovod_hooks"]):]
+            expected = "".join("h" if mode == "p" and not run["plain"] else "-" for mode in training)
+            assert run["horovod_hooks"] == expected, (run["modes"], run["horovod_hooks"])
 
 
 def test_auto_tuning_keeps_the_numbers():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Protocol
 
 import torch
 
@@ -31,6 +31,22 @@ FIRST_BUCKET_BYTES = 1024**2
 BUCKET_BYTES = 25 * 1024**2
 
 
+class FrameworkHooks(Protocol):
+    """A framework's own gradient hooks, which can run the plain path themselves (Horovod's
+    ``DistributedOptimizer``): then nothing of ours runs per gradient, and the plain path
+    costs what the framework's does."""
+
+    def enter(self) -> None:
+        """From the next backward on, the framework's hooks communicate."""
+
+    def leave(self) -> None:
+        """They stop communicating (called between steps, with nothing in flight)."""
+
+    def finish(self, launched_only: bool = False) -> None:
+        """Wait (with a deadline) for what they launched and leave the averages as gradients
+        (``launched_only``: and do nothing if they launched nothing)."""
+
+
 @dataclass
 class PlainSetup:
     """What an adapter gives the engine for the plain mode.
@@ -43,6 +59,8 @@ class PlainSetup:
     grad_views: large averages become the parameters' gradients as views of the reducer's
         buffer instead of being copied back (:mod:`~bytescheduler.pytorch.grad_views`).
     start_plain: start on this path (``SchedulerConfig.start_plain``, a plan's advice).
+    hooks: the framework's own hooks, which run the plain path instead of ``reducer``
+        (whose buckets are then not used).
     """
 
     reducer: Reducer
@@ -51,6 +69,7 @@ class PlainSetup:
     bucket_bytes: int = BUCKET_BYTES
     grad_views: bool = False
     start_plain: bool = False
+    hooks: Optional[FrameworkHooks] = None
 
 
 class ModeSwitch:
@@ -72,6 +91,11 @@ class ModeSwitch:
         self._states = states
         self._rank = rank
         self._passes = passes
+        self._hooks = setup.hooks
+        # With the framework's hooks: a callback is queued for this backward's end, and the
+        # backward passes ended since their all-reduces were last finished.
+        self._queued = False
+        self._passes_seen = 0
         self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
 
@@ -79,6 +103,11 @@ class ModeSwitch:
         """Backward accumulated ``state``'s gradient (a dense parameter; the training thread,
         which alone touches the plain path). False when it already went this iteration (a
         second backward without accumulation)."""
+        if self._hooks is not None:  # the framework's own hooks communicate it
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            return True
         state.passes += 1
         if state.passes < self._passes:
             return True
@@ -92,6 +121,27 @@ class ModeSwitch:
                 grad = _gradient(state)
             path.add(state.key, grad)
         return True
+
+    def _backward_done(self) -> None:
+        """At the end of a backward pass on the framework's hooks (after every hook ran): once
+        the passes to accumulate are done, wait for their all-reduces and put the averages in
+        place, so that gradients read after backward are averaged, as on our buckets (and DDP's)."""
+        self._queued = False
+        self._passes_seen += 1
+        if self._passes_seen >= self._passes:
+            self._passes_seen = 0
+            self._hooks.finish()
+
+    def close(self) -> None:
+        """At the engine's close: wait for what the plain path launched; the framework's own
+        hooks stop communicating."""
+        if self._hooks is None:
+            self.path.wait_launched()
+            return
+        try:
+            self._hooks.finish(launched_only=True)
+        finally:
+            self._hooks.leave()
 
     def rebuild(self) -> None:
         """Lay the buckets out again over every parameter (after ``add_param_group``).
@@ -107,7 +157,12 @@ class ModeSwitch:
 
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
-        if not self.path.finish():
+        if self._hooks is not None:
+            self._queued = False
+            if self._passes_seen:  # fewer backward passes than to accumulate: what was accumulated
+                self._passes_seen = 0
+                self._hooks.finish()
+        elif not self.path.finish():
             self.irregular = True
         engine.average_sparse(apply=False)  # the full step below updates those parameters too
         with engine._cond:
@@ -131,6 +186,8 @@ class ModeSwitch:
         the plain path, where every update is done when ``step()`` returns, does not need)."""
         engine.plain = self.chooser.mode == PLAIN
         engine.check_accumulation(not engine.plain)  # the plain path checks in gradient()
+        if self._hooks is not None:
+            (self._hooks.enter if engine.plain else self._hooks.leave)()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
         else:

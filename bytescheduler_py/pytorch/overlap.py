@@ -384,7 +384,7 @@ class OverlapEngine:
                 return
         try:
             if self._switch is not None:
-                self._switch.path.wait_launched()
+                self._switch.close()
             if wait and not self._latch:
                 self.synchronize()
         finally:
