@@ -58,3 +58,39 @@ def test_the_spinning_wait_still_keeps_its_deadline(monkeypatch):
     with pytest.raises(CommunicationTimeout, match="all-reduce of Horovod's own path did not finish within 0.1 s"):
         reducer.wait([(Held(torch.zeros(4)), 1)])
     assert time.monotonic() - started < 2.0
+
+
+class _FakeDistributedOptimizer:
+    """What HorovodHooks reads of an hvd.DistributedOptimizer: its handles and synchronize."""
+
+    def __init__(self, handles):
+        self._handles = handles
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_horovods_own_hooks_are_finished_by_its_synchronize_after_our_spinning_wait(clock):
+    optimizer = _FakeDistributedOptimizer({"weight": (1, None), "bias": (2, None), "unused": (None, None)})
+    hooks = adapter.HorovodHooks(optimizer, passes=1, timeout=30.0)
+    started = time.monotonic()
+    hooks.finish()
+    assert time.monotonic() - started >= LONG * 0.9  # waited for the launched all-reduces first
+    assert optimizer.synchronized == 1 and clock == []  # then Horovod's own synchronize; no sleep
+
+
+def test_horovods_own_hooks_keep_our_deadline_and_never_reach_synchronize(monkeypatch):
+    monkeypatch.setattr(adapter.hvd, "poll", lambda handle: False)  # a peer stopped
+    monkeypatch.setattr(adapter.hvd, "rank", lambda: 0)
+    optimizer = _FakeDistributedOptimizer({"weight": (1, None)})
+    started = time.monotonic()
+    with pytest.raises(CommunicationTimeout, match="all-reduce of Horovod's own path did not finish within 0.1 s"):
+        adapter.HorovodHooks(optimizer, passes=1, timeout=0.1).finish()
+    assert time.monotonic() - started < 2.0 and optimizer.synchronized == 0
+
+
+def test_closing_on_horovods_own_hooks_with_nothing_launched_does_not_synchronize(clock):
+    optimizer = _FakeDistributedOptimizer({"weight": (None, None)})
+    adapter.HorovodHooks(optimizer, passes=1, timeout=30.0).finish(launched_only=True)
+    assert optimizer.synchronized == 0  # synchronize would all-reduce every parameter

@@ -33,8 +33,8 @@ BUCKET_BYTES = 25 * 1024**2
 
 class FrameworkHooks(Protocol):
     """A framework's own gradient hooks, which can run the plain path themselves (Horovod's
-    ``DistributedOptimizer``): then nothing of ours runs per gradient, and the plain path
-    costs what the framework's does."""
+    ``DistributedOptimizer``): then our gradient hook only marks the backward's end (where
+    :meth:`finish` runs), and the plain path costs about what the framework's does."""
 
     def enter(self) -> None:
         """From the next backward on, the framework's hooks communicate."""

@@ -275,9 +275,10 @@ class HorovodHooks:
     hooks launch the all-reduces (turned on by :meth:`enter`, off again by :meth:`leave`, through
     its public ``set_backward_passes_per_step``), and its own ``synchronize`` puts the averages
     in place (:meth:`finish`, called at the end of backward, so that gradients read after it are
-    averaged, as on our buckets). Launching the same all-reduces from our hooks and waiting in
-    our step cost 2-4% of an iteration more than Horovod on cnn-small at 1 Gbit/s, where
-    Horovod keeps the cores 100% busy (docs/benchmarks.md, eighteenth round).
+    averaged, as on our buckets). Launching the same all-reduces from our hooks (behind Horovod's
+    silenced ones) and waiting for them in our last gradient hook cost 3-4% of an iteration more
+    than Horovod on cnn-small at 1 Gbit/s, where Horovod keeps the cores 100% busy; this path
+    costs 1-2% (docs/benchmarks.md, eighteenth round).
 
     One thing is ours: before ``synchronize`` (which would wait for a stalled peer forever), each
     launched all-reduce is waited for with the deadline, polling as Horovod does. The handles are
