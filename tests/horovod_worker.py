@@ -424,6 +424,23 @@ def scenario_bad() -> None:
         errors["twice"] = None
         twice.close()
     once.close()
+    # A second backward before step() without backward_passes_per_step: an error on Horovod's
+    # own path too (its hooks would all-reduce the summed gradient again), naming the fix.
+    model, make_batch = fresh_model("tiny")
+    plain = bsc.ScheduledOptimizer(
+        model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters()), 10, start_plain=True,
+    )
+    x, y = batch(make_batch, 0)
+    F.cross_entropy(model(x), y).backward()
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
+        errors["second"] = {"type": type(error).__name__, "message": str(error),
+                            "mode": plain._bytescheduler._switch.chooser.mode}
+    else:
+        errors["second"] = None
+    plain.close(wait=False)
     report(scenario="bad", errors=errors)
 
 

@@ -265,6 +265,13 @@ def test_sparse_gradients_are_refused_at_construction_with_the_fix():
         assert "['0.weight']" in error["message"] and "sparse=False" in error["message"], (rank, error)
 
 
+def test_a_second_backward_before_step_is_an_error_on_horovods_own_path_too():
+    for rank, result in _bad().items():
+        error = result["errors"]["second"]
+        assert error is not None and error["type"] == "GradientError", (rank, error)
+        assert "backward_passes_per_step=k" in error["message"] and error["mode"] == "plain", (rank, error)
+
+
 def test_wrapping_a_scheduled_optimizer_again_raises():
     """Like bytescheduler.pytorch.ScheduledOptimizer, which raises TypeError("... already wrapped ...")."""
     for rank, result in _bad().items():

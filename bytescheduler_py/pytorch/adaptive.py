@@ -96,6 +96,7 @@ class ModeSwitch:
         # backward passes ended since their all-reduces were last finished.
         self._queued = False
         self._passes_seen = 0
+        self._finished = False  # their all-reduces were finished since the last step
         self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
 
@@ -104,6 +105,8 @@ class ModeSwitch:
         which alone touches the plain path). False when it already went this iteration (a
         second backward without accumulation)."""
         if self._hooks is not None:  # the framework's own hooks communicate it
+            if self._finished:
+                return False  # a backward after the accumulation was complete, before step()
             if not self._queued:
                 self._queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
@@ -130,6 +133,7 @@ class ModeSwitch:
         self._passes_seen += 1
         if self._passes_seen >= self._passes:
             self._passes_seen = 0
+            self._finished = True
             self._hooks.finish()
 
     def close(self) -> None:
@@ -158,7 +162,7 @@ class ModeSwitch:
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
         if self._hooks is not None:
-            self._queued = False
+            self._queued = self._finished = False
             if self._passes_seen:  # fewer backward passes than to accumulate: what was accumulated
                 self._passes_seen = 0
                 self._hooks.finish()
