@@ -93,10 +93,10 @@ class ModeSwitch:
         self._passes = passes
         self._hooks = setup.hooks
         # With the framework's hooks: a callback is queued for this backward's end, and the
-        # backward passes ended since their all-reduces were last finished.
+        # backward passes ended since the last step (their all-reduces are finished once this
+        # reaches ``passes``).
         self._queued = False
         self._passes_seen = 0
-        self._finished = False  # their all-reduces were finished since the last step
         self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
 
@@ -105,7 +105,7 @@ class ModeSwitch:
         which alone touches the plain path). False when it already went this iteration (a
         second backward without accumulation)."""
         if self._hooks is not None:  # the framework's own hooks communicate it
-            if self._finished:
+            if self._passes_seen >= self._passes:
                 return False  # a backward after the accumulation was complete, before step()
             if not self._queued:
                 self._queued = True
@@ -131,9 +131,7 @@ class ModeSwitch:
         place, so that gradients read after backward are averaged, as on our buckets (and DDP's)."""
         self._queued = False
         self._passes_seen += 1
-        if self._passes_seen >= self._passes:
-            self._passes_seen = 0
-            self._finished = True
+        if self._passes_seen == self._passes:
             self._hooks.finish()
 
     def close(self) -> None:
@@ -162,10 +160,10 @@ class ModeSwitch:
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
         if self._hooks is not None:
-            self._queued = self._finished = False
-            if self._passes_seen:  # fewer backward passes than to accumulate: what was accumulated
-                self._passes_seen = 0
-                self._hooks.finish()
+            if 0 < self._passes_seen < self._passes:  # fewer passes than to accumulate
+                self._hooks.finish()  # average what was accumulated
+            self._queued = False
+            self._passes_seen = 0
         elif not self.path.finish():
             self.irregular = True
         engine.average_sparse(apply=False)  # the full step below updates those parameters too

@@ -296,7 +296,7 @@ class HorovodHooks:
         self._optimizer.set_backward_passes_per_step(self._passes)
 
     def leave(self) -> None:
-        _silence(self._optimizer, None)
+        _silence(self._optimizer)
 
     def finish(self, launched_only: bool = False) -> None:
         try:
@@ -371,10 +371,8 @@ def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
     return type(optimizer).__bases__[0], int(optimizer.backward_passes_per_step)
 
 
-def _silence(optimizer: torch.optim.Optimizer, base: Optional[type]) -> None:
+def _silence(optimizer: torch.optim.Optimizer) -> None:
     """Turn off the gradient hooks of a Horovod ``DistributedOptimizer`` (see :func:`_unwrap`)."""
-    if base is type(optimizer):
-        return  # a plain torch optimizer
     passes = int(optimizer.backward_passes_per_step)
     optimizer.set_backward_passes_per_step(_NEVER)
     optimizer.backward_passes_per_step = passes  # what the user set stays readable
@@ -430,7 +428,8 @@ def ScheduledOptimizer(
     reports = hvd.allgather_object(report, name="bytescheduler.settings") if hvd.size() > 1 else [report]
     config = settle(reports, hvd.rank(), failure)
     base, passes = unwrapped["base"], unwrapped["passes"]
-    _silence(optimizer, base)
+    if base is not type(optimizer):  # a Horovod DistributedOptimizer, not a plain torch one
+        _silence(optimizer)
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     backend = HorovodBackend()
