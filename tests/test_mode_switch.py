@@ -448,7 +448,10 @@ def _models(rank):
         schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5) for o in (optimizer, baseline)]
         make_batch = build(name)[1]
         data = torch.Generator().manual_seed(100 + rank)
-        guard = []
+        guard, hooks = [], []
+        first = next(m for m in ours.modules() if list(m.parameters(recurse=False)))
+        calls = []
+        users = first.register_forward_pre_hook(lambda module, inputs: calls.append(len(calls)))
         for step in range(STEPS):
             x, y = make_batch(4, data)
             for model, opt, schedule in zip((ours, theirs), (optimizer, baseline), schedules):
@@ -457,8 +460,11 @@ def _models(rank):
                 opt.step()
                 schedule.step()
             guard.append((optimizer._bytescheduler.plain, _guard_installed()))
+            order = list(first._forward_pre_hooks)  # ours, if any, then the user's
+            hooks.append((optimizer._bytescheduler.plain, sum(len(m._forward_pre_hooks) for m in ours.modules()) - 1,
+                          order[-1] == users.id, len(calls)))
         optimizer.synchronize()
-        out[name] = dict(same=_same(ours, theirs), modes=_modes(optimizer), guard=guard,
+        out[name] = dict(same=_same(ours, theirs), modes=_modes(optimizer), guard=guard, hooks=hooks,
                          lr=(optimizer.param_groups[0]["lr"], baseline.param_groups[0]["lr"]))
         optimizer.close()
     return out
@@ -585,6 +591,18 @@ def test_the_read_guard_is_off_while_the_plain_path_runs(switched):
         for name, run in out["models"].items():
             for plain, installed in run["guard"]:
                 assert installed == (not plain), (name, run["guard"])
+
+
+def test_the_modules_forward_pre_hooks_are_off_while_the_plain_path_runs(switched):
+    """Each module with parameters has our pre-hook on the scheduled path, none on the plain
+    path (torch's fast call path); the user's own hook stays, after ours, and runs every step."""
+    for out in switched:
+        for name, run in out["models"].items():
+            owners = max(count for _, count, _, _ in run["hooks"])
+            assert owners >= 5, (name, run["hooks"])
+            for step, (plain, count, user_last, calls) in enumerate(run["hooks"]):
+                assert count == (0 if plain else owners), (name, step, run["hooks"])
+                assert user_last and calls == step + 1, (name, step, run["hooks"])
 
 
 def test_accumulation_and_clipping_by_global_norm_keep_ddps_numbers_across_switches(switched):

@@ -72,45 +72,18 @@ class PlainSetup:
     hooks: Optional[FrameworkHooks] = None
 
 
-class ModeSwitch:
-    """Chooses the mode at each step's end and runs the plain path while it is chosen.
+class BucketRoute:
+    """The plain path on our buckets: our gradient hook hands each complete gradient to a
+    :class:`~bytescheduler.pytorch.plain.PlainPath` over the adapter's reducer (DDP's layout)."""
 
-    Args:
-        setup: the adapter's reducer and agreement.
-        rank: this process's rank (rank 0 decides: it times its steps and proposes).
-        states: the engine's parameter states (``key``, ``param``, ``priority``), live.
-        passes: backward passes accumulated before a gradient counts as complete.
-    """
-
-    def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        leader = rank == 0
-        self.chooser = new_chooser(setup.start_plain)
-        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
+    def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int) -> None:
         self._setup = setup
-        self._states = states
         self._rank = rank
+        self._states = states
         self._passes = passes
-        self._hooks = setup.hooks
-        # With the framework's hooks: a callback is queued for this backward's end, and the
-        # backward passes ended since the last step (their all-reduces are finished once this
-        # reaches ``passes``).
-        self._queued = False
-        self._passes_seen = 0
-        self.irregular = False  # a parameter had no gradient at some step on this rank
         self.rebuild()
 
     def gradient(self, state: Any) -> bool:
-        """Backward accumulated ``state``'s gradient (a dense parameter; the training thread,
-        which alone touches the plain path). False when it already went this iteration (a
-        second backward without accumulation)."""
-        if self._hooks is not None:  # the framework's own hooks communicate it
-            if self._passes_seen >= self._passes:
-                return False  # a backward after the accumulation was complete, before step()
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            return True
         state.passes += 1
         if state.passes < self._passes:
             return True
@@ -125,25 +98,17 @@ class ModeSwitch:
             path.add(state.key, grad)
         return True
 
-    def _backward_done(self) -> None:
-        """At the end of a backward pass on the framework's hooks (after every hook ran): once
-        the passes to accumulate are done, wait for their all-reduces and put the averages in
-        place, so that gradients read after backward are averaged, as on our buckets (and DDP's)."""
-        self._queued = False
-        self._passes_seen += 1
-        if self._passes_seen == self._passes:
-            self._hooks.finish()
+    def finish(self) -> bool:
+        return self.path.finish()
 
     def close(self) -> None:
-        """At the engine's close: wait for what the plain path launched; the framework's own
-        hooks stop communicating."""
-        if self._hooks is None:
-            self.path.wait_launched()
-            return
-        try:
-            self._hooks.finish(launched_only=True)
-        finally:
-            self._hooks.leave()
+        self.path.wait_launched()
+
+    def enter(self) -> None:
+        """Nothing to switch on: our gradient hook feeds the buckets while the plain mode runs."""
+
+    def leave(self) -> None:
+        """Nothing to switch off (see :meth:`enter`)."""
 
     def rebuild(self) -> None:
         """Lay the buckets out again over every parameter (after ``add_param_group``).
@@ -157,14 +122,100 @@ class ModeSwitch:
         assign = (lambda key, view: hand_over(by_key[key].param, view)) if self._setup.grad_views else None
         self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank, assign)
 
+
+class HookRoute:
+    """The plain path on the framework's own hooks (:class:`FrameworkHooks`): they launch
+    every all-reduce; our gradient hook only queues a callback for the backward's end, where
+    the averages are put in place once the passes to accumulate are done."""
+
+    def __init__(self, hooks: FrameworkHooks, passes: int) -> None:
+        self._hooks = hooks
+        self._passes = passes
+        self._queued = False  # a callback is queued for this backward's end
+        self._passes_seen = 0  # backward passes ended since the last step
+
+    def gradient(self, state: Any) -> bool:
+        if self._passes_seen >= self._passes:
+            return False  # a backward after the accumulation was complete, before step()
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        return True
+
+    def _backward_done(self) -> None:
+        """At the end of a backward pass (after every hook ran): once the passes to accumulate
+        are done, wait for their all-reduces and put the averages in place, so that gradients
+        read after backward are averaged, as on our buckets (and DDP's)."""
+        self._queued = False
+        self._passes_seen += 1
+        if self._passes_seen == self._passes:
+            self._hooks.finish()
+
+    def finish(self) -> bool:
+        if 0 < self._passes_seen < self._passes:  # fewer passes than to accumulate
+            self._hooks.finish()  # average what was accumulated
+        self._queued = False
+        self._passes_seen = 0
+        return True
+
+    def close(self) -> None:
+        try:
+            self._hooks.finish(launched_only=True)
+        finally:
+            self._hooks.leave()
+
+    def enter(self) -> None:
+        self._hooks.enter()
+
+    def leave(self) -> None:
+        self._hooks.leave()
+
+    def rebuild(self) -> None:
+        """Nothing to lay out: the framework's hooks cover every parameter themselves."""
+
+
+class ModeSwitch:
+    """Chooses the mode at each step's end and runs the plain path while it is chosen.
+
+    Args:
+        setup: the adapter's reducer and agreement.
+        rank: this process's rank (rank 0 decides: it times its steps and proposes).
+        states: the engine's parameter states (``key``, ``param``, ``priority``), live.
+        passes: backward passes accumulated before a gradient counts as complete.
+
+    The plain path runs on the framework's own hooks where the adapter has them
+    (:class:`HookRoute`), else on our buckets (:class:`BucketRoute`); both take each
+    gradient from our hook (``gradient``), finish at ``step()`` and switch on and off
+    between steps (``enter``, ``leave``).
+    """
+
+    def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        leader = rank == 0
+        self.chooser = new_chooser(setup.start_plain)
+        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
+        self.route = (BucketRoute(setup, rank, states, passes) if setup.hooks is None
+                      else HookRoute(setup.hooks, passes))
+        self.irregular = False  # a parameter had no gradient at some step on this rank
+
+    def gradient(self, state: Any) -> bool:
+        """Backward accumulated ``state``'s gradient (a dense parameter; the training thread,
+        which alone touches the plain path). False when it already went this iteration (a
+        second backward without accumulation)."""
+        return self.route.gradient(state)
+
+    def close(self) -> None:
+        """At the engine's close: wait for what the plain path launched; the framework's own
+        hooks stop communicating."""
+        self.route.close()
+
+    def rebuild(self) -> None:
+        """After ``add_param_group``: the plain path covers the new parameters too."""
+        self.route.rebuild()
+
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
-        if self._hooks is not None:
-            if 0 < self._passes_seen < self._passes:  # fewer passes than to accumulate
-                self._hooks.finish()  # average what was accumulated
-            self._queued = False
-            self._passes_seen = 0
-        elif not self.path.finish():
+        if not self.route.finish():
             self.irregular = True
         engine.average_sparse(apply=False)  # the full step below updates those parameters too
         with engine._cond:
@@ -187,14 +238,13 @@ class ModeSwitch:
         """Put ``engine`` on the chooser's mode: its flag, its hooks and the read guard (which
         the plain path, where every update is done when ``step()`` returns, does not need)."""
         engine.plain = self.chooser.mode == PLAIN
-        engine.check_accumulation(not engine.plain)  # the plain path checks in gradient()
-        if self._hooks is not None:
-            (self._hooks.enter if engine.plain else self._hooks.leave)()
+        engine.hook_for_schedule(not engine.plain)
+        (self.route.enter if engine.plain else self.route.leave)()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
         else:
             ReadGuard.attach(engine, install=engine.guard_reads)
-            _own_gradients(self._states.values())
+            _own_gradients(engine.states.values())
 
 
 def _own_gradients(states: Any) -> None:

@@ -103,10 +103,9 @@ class OverlapEngine:
         self.plain = False  # the plain path runs (see adaptive.py)
         self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank, self.states,
                                                              backward_passes_per_step)
-        for module in model.modules():
-            own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
-            if own:
-                self._params.keep(module.register_forward_pre_hook(self._make_pre_hook(own)))
+        self._model = model
+        self._module_hooks: List = []  # the modules' forward pre-hooks (scheduled mode only)
+        self._hook_modules()
         # With a timeline, the compute too (for `bytescheduler simulate --trace`); else no hook.
         self.compute_timeline: Optional[ComputeTimeline] = None
         if scheduler.timeline is not None:
@@ -326,6 +325,27 @@ class OverlapEngine:
             return not gradient_only or state.stage == COMMUNICATED
         return False
 
+    def hook_for_schedule(self, on: bool) -> None:
+        """Hook (or unhook) what only the scheduled path needs on the training thread: the
+        pre-accumulation check of each parameter and the modules' forward pre-hooks. On the
+        plain path every update is done when ``step()`` returns, so neither has anything to
+        do, and a module with no hook at all runs torch's fast call path (on a small model,
+        a Python call per module and per parameter is measurable)."""
+        self.check_accumulation(on)
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks.clear()
+        if on:
+            self._hook_modules()
+
+    def _hook_modules(self) -> None:
+        """Each module that owns parameters waits for their pending updates before its forward
+        (prepended: before any forward pre-hook of the user's, which may read them)."""
+        for module in self._model.modules():
+            own = [self.states[id(p)] for p in module.parameters(recurse=False) if id(p) in self.states]
+            if own:
+                self._module_hooks.append(module.register_forward_pre_hook(self._make_pre_hook(own), prepend=True))
+
     def _make_pre_hook(self, own: List[ParamState]):
         def wait_for_own_parameters(module, inputs):
             if self.busy:
@@ -395,6 +415,7 @@ class OverlapEngine:
                 self._cond.notify_all()
             self._updates.join(timeout=30)
             self._params.remove()
+            self.hook_for_schedule(False)
             ReadGuard.detach(self)
             try:
                 self.scheduler.stop(wait=wait and not self._latch)
