@@ -50,7 +50,8 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "bytescheduler.cli", "bench", "--bandwidth", "1gbit", "--model", "tiny",
-         "--batch-size", "8", "--systems", "compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled",
+         "--batch-size", "8", "--systems", "compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again",
+         "scheduled",
          "--rounds", "2", "--iters", "1", "--warmup", "1", "--out", str(out), "--deadline", "300"],
         capture_output=True, text=True, timeout=400,
     )
@@ -58,8 +59,9 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     assert _namespaces() == before  # torn down
     assert "| ScheduledOptimizer |" in done.stdout and "vs DDP default" in done.stdout
     summary = json.loads((out / "results.json").read_text())
-    assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled"}
+    assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled"}
     assert summary["systems"]["ddp-torch-hook"]["baseline"] == "ddp"
+    assert summary["systems"]["ddp-again"]["baseline"] == "ddp" and "A/A control" in done.stdout
     # The link is shaped: a large all-reduce moves at most ~1 Gbit/s per direction.
     assert summary["link_bytes_per_s"] * 8 < 1.1e9
     assert "namespaces" in summary["network"]
@@ -110,24 +112,27 @@ def _bench(out, *options, timeout=400):
     )
 
 
-@pytest.mark.parametrize("baseline, scheduled, labels, link", [
-    ("hvd", "hvd-scheduled", ("Horovod DistributedOptimizer", "Horovod + ScheduledOptimizer"), "Horovod all-reduce"),
-    ("mxnet", "mxnet-scheduled", ("MXNet dist_sync", "MXNet + ScheduledKVStore"), "ps-lite push+pull"),
+@pytest.mark.parametrize("baseline, scheduled, labels, link, control", [
+    ("hvd", "hvd-scheduled", ("Horovod DistributedOptimizer", "Horovod + ScheduledOptimizer"), "Horovod all-reduce",
+     ["hvd-again"]),
+    ("mxnet", "mxnet-scheduled", ("MXNet dist_sync", "MXNet + ScheduledKVStore"), "ps-lite push+pull", []),
 ], ids=["horovod", "mxnet"])
-def test_bench_runs_another_framework_in_namespaces(tmp_path, baseline, scheduled, labels, link):
+def test_bench_runs_another_framework_in_namespaces(tmp_path, baseline, scheduled, labels, link, control):
     """Horovod ranks without horovodrun; MXNet as a ps-lite job per block, a server and a worker per namespace."""
     before = _namespaces()
     out = tmp_path / "out"
-    done = _bench(out, "--systems", baseline, scheduled)
+    done = _bench(out, "--systems", baseline, scheduled, *control)
     assert _namespaces() == before  # torn down
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())
-    assert list(summary["systems"]) == [baseline, scheduled]
-    for name in (baseline, scheduled):
+    assert list(summary["systems"]) == [baseline, scheduled, *control]
+    for name in (baseline, scheduled, *control):
         entry = summary["systems"][name]
         assert len(entry["blocks_s"]) == 2 and min(entry["blocks_s"]) > 0, entry
         assert (out / f"timeline-{name}.png").stat().st_size > 0, name
     assert summary["systems"][scheduled]["baseline"] == baseline
+    for name in control:  # the A/A control: a second copy of the baseline, timed against it
+        assert summary["systems"][name]["baseline"] == baseline and summary["systems"][name]["speedup"] > 0
     assert summary["systems"][scheduled]["speedup"] > 0
     assert summary["systems"][scheduled]["scheduler"]["operations"] > 0
     assert "namespaces" in summary["network"]
@@ -196,7 +201,7 @@ def test_blocks_take_turns_with_another_job(tmp_path):
 def test_bench_without_mxnet_says_why(tmp_path):
     from argparse import Namespace
 
-    from bytescheduler.bench.runner import HOROVOD_SYSTEMS, MXNET_SYSTEMS, TORCH_SYSTEMS, choose_systems
+    from bytescheduler.bench.runner import HOROVOD_SYSTEMS, MXNET_SYSTEMS, ON_REQUEST, TORCH_SYSTEMS, choose_systems
 
     # Asked for by name: a clear error before anything runs.
     done = subprocess.run(
@@ -208,7 +213,8 @@ def test_bench_without_mxnet_says_why(tmp_path):
     # By default: left out, with the reason.
     args = Namespace(quick=False, systems=None, mxnet_python=None, model="tiny")
     systems, left_out = choose_systems(args)
-    assert systems == [name for name in TORCH_SYSTEMS + HOROVOD_SYSTEMS if name != "ddp-torch-hook"]
+    assert systems == [name for name in TORCH_SYSTEMS + HOROVOD_SYSTEMS if name not in ON_REQUEST]
+    assert "ddp-again" not in systems and "hvd-again" not in systems
     assert set(left_out) == set(MXNET_SYSTEMS) and "--mxnet-python" in left_out["mxnet"]
     # A model without an MXNet version is left out too.
     args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="gpt2")

@@ -23,11 +23,12 @@ import os
 import statistics
 from typing import Dict, List, Optional, Tuple
 
-BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "scheduled": "ddp", "hvd-scheduled": "hvd", "mxnet-scheduled": "mxnet"}
+BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "ddp-again": "ddp", "scheduled": "ddp",
+             "hvd-scheduled": "hvd", "hvd-again": "hvd", "mxnet-scheduled": "mxnet"}
 # Which link measurement (see runner.LINKS) is each system's own framework's sending rate.
 LINK_OF = {"ddp": "gloo all-reduce", "ddp-hook": "gloo all-reduce", "ddp-torch-hook": "gloo all-reduce",
-           "scheduled": "gloo all-reduce",
-           "hvd": "Horovod all-reduce", "hvd-scheduled": "Horovod all-reduce",
+           "ddp-again": "gloo all-reduce", "scheduled": "gloo all-reduce",
+           "hvd": "Horovod all-reduce", "hvd-scheduled": "Horovod all-reduce", "hvd-again": "Horovod all-reduce",
            "mxnet": "ps-lite push+pull", "mxnet-scheduled": "ps-lite push+pull"}
 LABELS = {
     "compute": "compute only (no communication)",
@@ -35,9 +36,11 @@ LABELS = {
     "ddp": "DDP default",
     "ddp-hook": "DDP + scheduled hook",
     "ddp-torch-hook": "DDP + PyTorch's allreduce_hook",
+    "ddp-again": "DDP default again (A/A control)",
     "scheduled": "ScheduledOptimizer",
     "hvd": "Horovod DistributedOptimizer",
     "hvd-scheduled": "Horovod + ScheduledOptimizer",
+    "hvd-again": "Horovod again (A/A control)",
     "mxnet": "MXNet dist_sync",
     "mxnet-scheduled": "MXNet + ScheduledKVStore",
 }

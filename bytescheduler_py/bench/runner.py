@@ -46,12 +46,15 @@ from .report import merge, report
 from ..launcher import free_port
 from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
-TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "scheduled")
-HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled")
+TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled")
+HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled", "hvd-again")
 MXNET_SYSTEMS = ("mxnet", "mxnet-scheduled")
 SYSTEMS = TORCH_SYSTEMS + HOROVOD_SYSTEMS + MXNET_SYSTEMS
-# Only when asked for: DDP with PyTorch's own Python all-reduce hook, what any comm hook costs.
-DEFAULT_SYSTEMS = [name for name in SYSTEMS if name != "ddp-torch-hook"]
+# Only when asked for: DDP with PyTorch's own Python all-reduce hook, what any comm hook
+# costs; and the A/A controls, a second copy of a baseline timed against the first, which
+# show how far apart the bench puts two identical systems on this machine.
+ON_REQUEST = ("ddp-torch-hook", "ddp-again", "hvd-again")
+DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in ON_REQUEST]
 QUICK_SYSTEMS = ["compute", "ddp", "ddp-hook", "scheduled"]
 WORLD = 2
 ENV_MXNET_PYTHON = "BYTESCHEDULER_MXNET_PYTHON"
@@ -387,7 +390,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                         help="default: every system whose framework is available, but ddp-torch-hook "
-                             "(DDP with PyTorch's own allreduce_hook: what any Python comm hook costs)")
+                             "(DDP with PyTorch's own allreduce_hook: what any Python comm hook costs) and "
+                             "the A/A controls ddp-again and hvd-again (a second copy of the baseline: "
+                             "the spread of the bench itself)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per system")
     parser.add_argument("--iters", type=int, default=3, help="iterations per timed block")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (blocks per system)")

@@ -126,7 +126,7 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
             systems[name] = System(name, model, sgd(model), make_batch, **common)
         elif name == "comm":
             systems[name] = CommunicationOnly(name, model, sgd(model), make_batch, **common)
-        elif name in ("ddp", "ddp-hook", "ddp-torch-hook"):
+        elif name in ("ddp", "ddp-hook", "ddp-torch-hook", "ddp-again"):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ddp = DDP(model)
@@ -147,11 +147,11 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
 
             optimizer = bsp.ScheduledOptimizer(model, sgd(model), timeline=timeline, **options)
             systems[name] = Scheduled(name, model, optimizer, make_batch, **common)
-        elif name in ("hvd", "hvd-scheduled"):
+        elif name in ("hvd", "hvd-scheduled", "hvd-again"):
             import horovod.torch as hvd
 
             optimizer = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
-            if name == "hvd":
+            if name != "hvd-scheduled":
                 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
                 systems[name] = System(name, model, optimizer, make_batch, **common)
                 continue
