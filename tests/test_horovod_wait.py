@@ -61,11 +61,18 @@ def test_the_spinning_wait_still_keeps_its_deadline(monkeypatch):
 
 
 class _FakeDistributedOptimizer:
-    """What HorovodHooks reads of an hvd.DistributedOptimizer: its handles and synchronize."""
+    """What HorovodHooks reads of an hvd.DistributedOptimizer: its handles, the parameters it
+    averages, its launch of one all-reduce and synchronize."""
 
-    def __init__(self, handles):
+    def __init__(self, handles, requires=None):
         self._handles = handles
+        self._requires_update = set(handles if requires is None else requires)
         self.synchronized = 0
+        self.launched = []
+
+    def _allreduce_grad_async(self, param):
+        self.launched.append(param)
+        return 100 + len(self.launched), None
 
     def synchronize(self):
         self.synchronized += 1
@@ -78,6 +85,20 @@ def test_horovods_own_hooks_are_finished_by_its_synchronize_after_our_spinning_w
     hooks.finish()
     assert time.monotonic() - started >= LONG * 0.9  # waited for the launched all-reduces first
     assert optimizer.synchronized == 1 and clock == []  # then Horovod's own synchronize; no sleep
+    assert optimizer.launched == ["unused"]  # launched as synchronize would, then waited for
+
+
+def test_a_parameter_without_a_gradient_is_waited_for_with_our_deadline_too(monkeypatch):
+    """Horovod's synchronize launches an all-reduce for a parameter whose hook did not run and
+    waits for it without a deadline: launched first, its wait keeps ours."""
+    monkeypatch.setattr(adapter.hvd, "poll", lambda handle: handle < 100)  # only the late launch stalls
+    monkeypatch.setattr(adapter.hvd, "rank", lambda: 0)
+    optimizer = _FakeDistributedOptimizer({"weight": (1, None)}, requires=["weight", "no-gradient"])
+    started = time.monotonic()
+    with pytest.raises(CommunicationTimeout, match="all-reduce of Horovod's own path did not finish within 0.1 s"):
+        adapter.HorovodHooks(optimizer, passes=1, timeout=0.1).finish()
+    assert time.monotonic() - started < 2.0
+    assert optimizer.launched == ["no-gradient"] and optimizer.synchronized == 0
 
 
 def test_horovods_own_hooks_keep_our_deadline_and_never_reach_synchronize(monkeypatch):

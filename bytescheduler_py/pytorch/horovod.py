@@ -281,10 +281,12 @@ class HorovodHooks:
     costs 1-2% (docs/benchmarks.md, eighteenth round).
 
     One thing is ours: before ``synchronize`` (which would wait for a stalled peer forever), each
-    launched all-reduce is waited for with the deadline, polling as Horovod does. The handles are
-    read from the optimizer's ``_handles`` (a third private field, see :func:`_unwrap`). A
-    parameter whose hook did not run (no gradient this step) is all-reduced by ``synchronize``
-    itself, as in Horovod, and waited for without a deadline.
+    all-reduce is waited for with the deadline, polling as Horovod does. A parameter whose hook
+    did not launch one (no gradient this step on this rank) is launched first, as
+    ``synchronize`` would launch it (Horovod's own ``_allreduce_grad_async``, which all-reduces
+    zeros for a missing gradient), so that it too is waited for with the deadline; then
+    ``synchronize`` finds every all-reduce done and only puts the averages in place. Private
+    fields read: ``_handles``, ``_requires_update`` and ``_allreduce_grad_async`` (see :func:`_unwrap`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, passes: int, timeout: float) -> None:
@@ -299,14 +301,17 @@ class HorovodHooks:
         _silence(self._optimizer)
 
     def finish(self, launched_only: bool = False) -> None:
+        optimizer = self._optimizer
         try:
-            launched = [handle for handle, _ in self._optimizer._handles.values() if handle is not None]
-            if launched_only and not launched:
+            handles = optimizer._handles
+            if launched_only and not any(handle is not None for handle, _ in handles.values()):
                 return
-            for handle in launched:
+            for param in [p for p in optimizer._requires_update if handles.get(p, (None,))[0] is None]:
+                handles[param] = optimizer._allreduce_grad_async(param)  # what synchronize would launch
+            for handle, _ in list(handles.values()):
                 _poll_until_done(handle, None, self._timeout, "an all-reduce of Horovod's own path",
                                  math.inf, consume=False)
-            self._optimizer.synchronize()
+            optimizer.synchronize()
         except Exception as error:  # noqa: BLE001 - a failed collective: a peer died or the network failed
             raise as_library_error(error, hvd.rank()) from error
 
