@@ -149,6 +149,22 @@ def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
         ModeChooser(verify_hold=0)
 
 
+def test_holds_grow_with_the_trials_so_that_retrials_stay_a_small_share_of_the_steps():
+    # Steps of 1/32 s: trials of 0.75 s are 24 steps, three times the eight-step re-trials the
+    # holds are given for, so every hold is three times as long (the verifying one 30, then 60, 120).
+    chooser = ModeChooser(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10,
+                          max_hold=100, clear_hold=4, min_retrial=8)
+    history = _drive(chooser, lambda mode, step: 0.2 if step == 0 else (1 / 32 if mode == SCHEDULED else 1.15 / 32), 500)
+    assert chooser.trial == chooser.retrial == 24
+    assert (chooser.first_hold, chooser.verify_hold, chooser.max_hold) == (60, 30, 300)
+    assert history.startswith("sss" + "s" * 24 + "p" * 24 + "s" * 30 + "p" * 24 + "s" * (24 + 60) + "p" * 24
+                              + "s" * (24 + 120) + "p" * 24), history
+    # Trials no longer than the re-trials: the holds as given.
+    slow = ModeChooser(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10, min_retrial=8)
+    _drive(slow, lambda mode, step: 1.0 if mode == SCHEDULED else 1.15, 40)
+    assert slow.trial == 4 and (slow.first_hold, slow.verify_hold) == (20, 10)
+
+
 def test_differences_within_the_noise_go_to_the_plain_path():
     import random
 
