@@ -117,10 +117,35 @@ def test_a_clear_first_choice_holds_longer_and_trials_last_long_enough():
     assert _drive(clear, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 60)[:50] == "ss" "ss" "pp" + "s" * 40 + "pp" "ss"
     close = ModeChooser(warmup=2, settle=0, trial=2, pairs=1, hold=10, clear_hold=4, min_retrial=2)
     assert _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.05, 20)[:18] == "ss" "ss" "pp" + "s" * 10 + "pp"
-    # Steps of 10 ms: trials of 0.5 s are 50 steps (warm-up's median, its first step left out).
+    # Steps of 10 ms: trials of 0.5 s are 50 steps (warm-up's median, its first step left out),
+    # timed as three phases of 17 steps a side, alternating.
     fast = ModeChooser(warmup=3, settle=0, trial=4, trial_seconds=0.5, max_trial=64, min_retrial=4)
     history = _drive(fast, lambda mode, step: 0.2 if step == 0 else 0.01, 200)
-    assert history[:3 + 50 + 50] == "sss" + "s" * 50 + "p" * 50 and fast.trial == 50, history[:110]
+    assert history[:3 + 6 * 17] == "sss" + ("s" * 17 + "p" * 17) * 3, history[:110]
+    assert (fast.trial, fast.split, fast.phase) == (50, 3, 17)
+
+
+def test_long_trials_alternate_in_shorter_phases_whose_pace_must_agree_to_decide_early():
+    # Trials of 24 steps: three phases of 8 a side. A steady 15% lead decides after three pairs.
+    steady = ModeChooser(warmup=3, settle=0, trial=4, pairs=3, trial_seconds=0.75, min_retrial=8)
+    history = _drive(steady, lambda mode, step: 0.2 if step == 0 else (1 / 32 if mode == SCHEDULED else 1.15 / 32), 80)
+    assert (steady.split, steady.phase) == (3, 8)
+    assert history.startswith("sss" + ("s" * 8 + "p" * 8) * 3 + "s" * 20) and steady.verdicts[0]["clear"], history
+    # The same lead in the medians, but one phase in three of the schedule slow (a run of slow
+    # steps on the machine): the phases' pace disagrees, so no early decision; all nine pairs run.
+    phases = []
+
+    def bursty(mode, step):
+        if step == 0:
+            return 0.2
+        if step < 3:
+            return 1 / 32
+        phase = (step - 3) // 8
+        return (1.3 if phase % 6 == 4 else 1.0) / 32 if mode == SCHEDULED else 1.15 / 32
+    noisy = ModeChooser(warmup=3, settle=0, trial=4, pairs=3, trial_seconds=0.75, min_retrial=8)
+    history = _drive(noisy, bursty, 3 + 16 * 9 + 4)
+    assert history.startswith("sss" + ("s" * 8 + "p" * 8) * 9) and noisy.verdicts[0]["step"] == 3 + 16 * 9, history
+    assert not noisy.verdicts[0]["clear"]
 
 
 def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
@@ -157,7 +182,7 @@ def test_holds_grow_with_the_trials_so_that_retrials_stay_a_small_share_of_the_s
     history = _drive(chooser, lambda mode, step: 0.2 if step == 0 else (1 / 32 if mode == SCHEDULED else 1.15 / 32), 500)
     assert chooser.trial == chooser.retrial == 24
     assert (chooser.first_hold, chooser.verify_hold, chooser.max_hold) == (60, 30, 300)
-    assert history.startswith("sss" + "s" * 24 + "p" * 24 + "s" * 30 + "p" * 24 + "s" * (24 + 60) + "p" * 24
+    assert history.startswith("sss" + ("s" * 8 + "p" * 8) * 3 + "s" * 30 + "p" * 24 + "s" * (24 + 60) + "p" * 24
                               + "s" * (24 + 120) + "p" * 24), history
     # Trials no longer than the re-trials: the holds as given.
     slow = ModeChooser(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10, min_retrial=8)

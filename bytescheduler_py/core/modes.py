@@ -115,6 +115,14 @@ class ModeChooser:
         clear: a difference this large (and beyond the noise) decides after one trial pair,
             once each path has at least ``min_clear_samples`` timed steps (fewer are too noisy
             to decide early: four steps per path chose a schedule 5% slower, 2026-11-26).
+            Where the warm-up makes a trial at least twice ``min_retrial`` steps long (fast
+            steps), each trial goes as two or three shorter phases a side, alternating (up to
+            ``pairs`` times as many pairs), and an early decision also needs three pairs
+            whose phases' pace (:meth:`_paced`) agrees: the machine's noise comes in runs of
+            slow steps (cnn-small: 15 or 20 ms a step, several of each in a row), which one
+            long phase a side can catch on one side only (the hook on cnn-small chose its
+            schedule on a 12% lead after one pair of 31-step phases; the blocks then measured
+            it 0.98x, 2026-11-28).
         min_retrial: a re-trial, and the held path's steps after it, last at least this many
             steps (else ``trial``), so both sides are timed in pairs (:func:`_paired`); and it
             switches only when the other path's lead is beyond the noise of each side taken
@@ -141,6 +149,7 @@ class ModeChooser:
             raise ValueError("warmup, trial, pairs, hold, verify_hold and min_retrial must be at least 1, settle and "
                              "trial_seconds at least 0, and max_trial at least trial")
         self.settle, self.trial, self.pairs = settle, trial, pairs
+        self.split, self.phase = 1, trial  # trial phases per trial length, and their steps
         self.min_trial, self.max_trial, self.trial_seconds = trial, max_trial, trial_seconds
         self._holds = (hold, min(verify_hold, hold), max_hold)  # as given, for re-trials of min_retrial steps
         self.first_hold, self.verify_hold, self.max_hold = self._holds
@@ -206,7 +215,7 @@ class ModeChooser:
         if self._phase == _TRIAL:
             self._phases[self.mode].append(self._samples)
             if self.mode == SCHEDULED:
-                self._start(_TRIAL, PLAIN, self.trial)
+                self._start(_TRIAL, PLAIN, self.phase)
                 return False
             self._pairs_run += 1
         if self._phase == _RETRIAL:  # back to the held mode, timed as the other half of the reference
@@ -228,9 +237,14 @@ class ModeChooser:
                 raise ValueError("CONTINUE is only proposed after the warm-up or a trial pair")
             if extra:
                 self.trial = extra  # the trials' length, from rank 0's warm-up
+                # Long trials (fast steps) go as up to three shorter phases a side, alternating:
+                # the machine's noise comes in runs of slow steps, which one long phase a side
+                # can catch on one side only, and whole phases' pace needs three pairs.
+                self.split = max(1, min(3, extra // self.min_retrial))
+                self.phase = math.ceil(extra / self.split)
                 scale = self.retrial / self.min_retrial  # the holds keep the re-trials' share of steps
                 self.first_hold, self.verify_hold, self.max_hold = (math.ceil(h * scale) for h in self._holds)
-            self._start(_TRIAL, SCHEDULED, self.trial, drained)
+            self._start(_TRIAL, SCHEDULED, self.phase, drained)
             return
         chosen = SCHEDULED if code == CHOOSE_SCHEDULED else PLAIN
         self.choices += 1
@@ -295,13 +309,15 @@ class ModeChooser:
             return _CHOICE[winner]
         samples = {mode: [t for phase in self._phases[mode] for t in phase] for mode in MODES}  # pooled
         if not samples[SCHEDULED] or not samples[PLAIN]:
-            return CONTINUE if self._pairs_run < self.pairs else CHOOSE_SCHEDULED
+            return CONTINUE if self._pairs_run < self.pairs * self.split else CHOOSE_SCHEDULED
         winner, told_apart, (scheduled, plain) = self._verdict(samples)
         # A large difference decides at once, and holds longer, only when the samples tell
         # it apart from the noise; otherwise more pairs are timed (their samples pool).
         enough = min(len(samples[SCHEDULED]), len(samples[PLAIN])) >= self.min_clear_samples
         clear = enough and told_apart and abs(scheduled - plain) >= self.clear * max(scheduled, plain)
-        if self._pairs_run < self.pairs and not clear:
+        if clear and self.split > 1:  # split trials: the phases' pace must agree, from three pairs on
+            clear = self._pairs_run >= 3 and self._paced(self._phases) == winner
+        if self._pairs_run < self.pairs * self.split and not clear:
             return CONTINUE
         if not clear:
             paced = self._paced(self._phases)
