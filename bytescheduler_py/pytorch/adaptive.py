@@ -84,6 +84,9 @@ class BucketRoute:
         self.rebuild()
 
     def gradient(self, state: Any) -> bool:
+        """Backward accumulated ``state``'s gradient (a dense parameter; the training thread,
+        which alone touches the plain path; the engine's gradient hook calls this directly).
+        False when it already went this iteration (a second backward without accumulation)."""
         state.passes += 1
         if state.passes < self._passes:
             return True
@@ -135,6 +138,7 @@ class HookRoute:
         self._passes_seen = 0  # backward passes ended since the last step
 
     def gradient(self, state: Any) -> bool:
+        """As :meth:`BucketRoute.gradient`: queue the end-of-backward callback once."""
         if self._passes_seen >= self._passes:
             return False  # a backward after the accumulation was complete, before step()
         if not self._queued:
@@ -185,8 +189,9 @@ class ModeSwitch:
 
     The plain path runs on the framework's own hooks where the adapter has them
     (:class:`HookRoute`), else on our buckets (:class:`BucketRoute`); both take each
-    gradient from our hook (``gradient``), finish at ``step()`` and switch on and off
-    between steps (``enter``, ``leave``).
+    gradient from our hook (``route.gradient``, called by the engine without a detour
+    through the switch: it runs once per gradient), finish at ``step()`` and switch on and
+    off between steps (``enter``, ``leave``).
     """
 
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
@@ -197,12 +202,6 @@ class ModeSwitch:
         self.route = (BucketRoute(setup, rank, states, passes) if setup.hooks is None
                       else HookRoute(setup.hooks, passes))
         self.irregular = False  # a parameter had no gradient at some step on this rank
-
-    def gradient(self, state: Any) -> bool:
-        """Backward accumulated ``state``'s gradient (a dense parameter; the training thread,
-        which alone touches the plain path). False when it already went this iteration (a
-        second backward without accumulation)."""
-        return self.route.gradient(state)
 
     def close(self) -> None:
         """At the engine's close: wait for what the plain path launched; the framework's own

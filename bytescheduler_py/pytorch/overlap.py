@@ -98,7 +98,6 @@ class OverlapEngine:
         self._sparse = SparseParams(model, sparse, world_size, prescale)
         self._params = ParamHooks(model, optimizer, base, self._sparse, self._check_accumulate, self._on_gradient)
         self.states: Dict[int, ParamState] = self._params.states
-        self.check_accumulation = self._params.check_accumulation
         self.guard_reads = guard_reads
         self.plain = False  # the plain path runs (see adaptive.py)
         self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank, self.states,
@@ -159,7 +158,7 @@ class OverlapEngine:
         if state.sparse:
             return  # averaged at step()
         if self.plain:
-            if not self._switch.gradient(state):
+            if not self._switch.route.gradient(state):
                 raise GradientError(AGAIN.format(state.name))
             return
         with self._cond:
@@ -331,12 +330,15 @@ class OverlapEngine:
         plain path every update is done when ``step()`` returns, so neither has anything to
         do, and a module with no hook at all runs torch's fast call path (on a small model,
         a Python call per module and per parameter is measurable)."""
-        self.check_accumulation(on)
+        self._params.check_accumulation(on)
+        self._unhook_modules()
+        if on:
+            self._hook_modules()
+
+    def _unhook_modules(self) -> None:
         for handle in self._module_hooks:
             handle.remove()
         self._module_hooks.clear()
-        if on:
-            self._hook_modules()
 
     def _hook_modules(self) -> None:
         """Each module that owns parameters waits for their pending updates before its forward
@@ -414,8 +416,8 @@ class OverlapEngine:
                     self._set_stage(state, IDLE)
                 self._cond.notify_all()
             self._updates.join(timeout=30)
-            self._params.remove()
-            self.hook_for_schedule(False)
+            self._params.remove()  # the parameters' hooks and checks
+            self._unhook_modules()
             ReadGuard.detach(self)
             try:
                 self.scheduler.stop(wait=wait and not self._latch)
