@@ -191,6 +191,12 @@ class System:
         switch = self.mode_switch()
         return "" if switch is None else "".join(mode[0] for mode in switch.chooser.history)
 
+    def steady_steps(self) -> Optional[int]:
+        """Steps from now on that surely keep the mode switch's mode (None: no switch, or it
+        stopped choosing, so every step runs alike; the same on every rank)."""
+        switch = self.mode_switch()
+        return None if switch is None else switch.chooser.steady_steps
+
     def mode_verdicts(self) -> List[dict]:
         """Rank 0: the mode switch's choices and the step times behind each (else [])."""
         switch = self.mode_switch()
@@ -279,6 +285,25 @@ def round_order(names: List[str], round_index: int) -> List[str]:
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
 
+def trace_block(round_index: int, rounds: int, iters: int, steady: Optional[int],
+                traced_steady: bool) -> Tuple[bool, bool]:
+    """Whether to trace a system's block of round ``round_index``, and whether the block keeps
+    one mode throughout (``steady``: :meth:`System.steady_steps` before the block).
+
+    The last round is traced, as the timelines show the run's end, unless its block will
+    switch modes (a re-trial) and a block that kept one mode was traced already: with
+    6 rounds of 10 iterations, the second look at a first choice (50 steps on) lands in the
+    last block, whose timeline then showed the re-trial of the framework's own path instead of
+    the chosen schedule (twentieth round, 2026-11-28). So an earlier block is traced too when
+    it is the last that fits in the current hold; the charts draw the last block traced.
+    """
+    fits = steady is None or steady >= iters
+    if round_index == rounds - 1:
+        return fits or not traced_steady, fits
+    last_in_hold = steady is not None and iters <= steady < 2 * iters
+    return last_in_hold, last_in_hold
+
+
 def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Callable[[], None], tracer: Tracer,
                rank: int, turns: Optional[Turns] = None
                ) -> Tuple[Dict[str, List[float]], Dict[str, float], Dict[str, List[float]], Dict[str, dict]]:
@@ -287,7 +312,8 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     A barrier starts each block; the system's flush (waiting for its pending communication)
     ends it inside the timed block. The systems' order alternates (:func:`round_order`).
     With ``turns``, the warm-up and every block wait for the job's turn (:class:`Turns`).
-    The last round is traced unless ``args.no_trace``.
+    The last round is traced unless ``args.no_trace`` (:func:`trace_block`: with a mode switch,
+    rather the last block that keeps one mode throughout).
     Returns seconds per iteration per block, peak RSS (MiB) per system, when this process
     is pinned to one CPU the fraction of each block that CPU was busy (1.0: the rank's core
     was the limit; empty lists when not pinned), and a profile per system: CPU milliseconds
@@ -315,12 +341,16 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     counted = {name: [0, 0] for name in systems}  # operations, pieces in timed blocks
     plain_steps = {name: 0 for name in systems}
     spans: Dict[str, List[Tuple[float, float]]] = {name: [] for name in systems}  # wall-clock, per block
+    traced_steady = {name: False for name in systems}  # a block that kept one mode was traced
     progress(rank, 0, args.rounds)
     for round_index in range(args.rounds):
         for name in round_order(list(systems), round_index):
             system = systems[name]
             turns.begin()
-            tracer.active = round_index == args.rounds - 1 and not args.no_trace
+            trace, steady = trace_block(round_index, args.rounds, args.iters, system.steady_steps(),
+                                        traced_steady[name])
+            tracer.active = trace and not args.no_trace
+            traced_steady[name] = traced_steady[name] or (tracer.active and steady)
             system.trace(tracer.active)
             barrier()
             ops, pieces = _counts(system)

@@ -192,6 +192,15 @@ class ModeChooser:
         return max(self.trial, self.min_retrial)
 
     @property
+    def steady_steps(self) -> Optional[int]:
+        """Steps from now on that surely run the current mode (the rest of a hold; 0 while
+        choosing, re-trying or settling back), None once choosing stopped for good (every
+        step stays scheduled). The same on every rank."""
+        if self._phase == _FIXED:
+            return None
+        return self._length - self._done if self._phase == _HOLD else 0
+
+    @property
     def fixed(self) -> bool:
         """True once choosing stopped for good (:meth:`adopt` of :data:`STOP`): the scheduled path stays."""
         return self._phase == _FIXED
