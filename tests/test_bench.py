@@ -171,6 +171,7 @@ def test_blocks_take_turns_with_another_job(tmp_path):
 
         trace = choosing = lambda self, *a: False
         modes = mode_verdicts = lambda self: ""
+        steady_steps = lambda self: None
         stats = lambda self: {}
 
     args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, no_trace=True)
