@@ -272,37 +272,33 @@ def test_the_timeline_shows_a_block_that_kept_one_mode():
     from bytescheduler.bench.common import trace_block
     from bytescheduler.core.modes import SCHEDULED, ModeChooser
 
-    def traced_blocks(chooser, rounds, iters, seconds):
-        """Run ``rounds`` blocks as run_blocks does; the modes of each traced block, in order."""
-        traced, done = [], False
-        for round_index in range(rounds):
-            trace, steady = trace_block(round_index, rounds, iters, chooser.steady_steps, done)
-            done = done or (trace and steady)
-            start = len(chooser.history)
-            for _ in range(iters):
-                chooser.record(seconds(chooser.mode))
-                if chooser.end_step():
-                    chooser.adopt(chooser.propose())
-            if trace:
-                traced.append("".join(mode[0] for mode in chooser.history[start:]))
-        return traced
-
     # VGG-like at 1 Gbit/s (2026-11-28): the schedule chosen 12% ahead, a second look after 50
     # steps, which fell in the last of 6 blocks of 10: its timeline was the framework's path.
     chooser = ModeChooser(warmup=3, settle=1, trial=4, verify_hold=50)
-    seconds = lambda mode: 1.07 if mode == SCHEDULED else 1.22  # noqa: E731
-    while chooser.choices == 0:  # the bench's warm-up runs the first trials
-        chooser.record(seconds(chooser.mode))
+
+    def step():
+        chooser.record(1.07 if chooser.mode == SCHEDULED else 1.22)
         if chooser.end_step():
             chooser.adopt(chooser.propose())
-    blocks = traced_blocks(chooser, 6, 10, seconds)
+
+    while chooser.choices == 0:  # the bench's warm-up runs the first trials
+        step()
+    blocks, traced = [], False  # the modes of each traced block, blocks run as run_blocks does
+    for round_index in range(6):
+        trace = trace_block(round_index, 6, 10, chooser.steady_steps, traced)
+        traced = traced or trace
+        start = len(chooser.history)
+        for _ in range(10):
+            step()
+        if trace:
+            blocks.append("".join(mode[0] for mode in chooser.history[start:]))
     assert blocks[-1] == "s" * 10, blocks  # the last block that kept the chosen schedule
     assert len(blocks) == 1  # the last block, with the re-trial, is not traced
     # Without a switch, or a hold past the last block: the last block alone, as before.
-    assert [trace_block(r, 6, 10, None, False) for r in range(6)] == [(False, False)] * 5 + [(True, True)]
-    assert [trace_block(r, 6, 10, 200 - 10 * r, False)[0] for r in range(6)] == [False] * 5 + [True]
+    assert [trace_block(r, 6, 10, None, False) for r in range(6)] == [False] * 5 + [True]
+    assert [trace_block(r, 6, 10, 200 - 10 * r, False) for r in range(6)] == [False] * 5 + [True]
     # No block kept one mode (trials all along): the last is traced anyway.
-    assert trace_block(5, 6, 10, 0, False) == (True, False)
+    assert trace_block(5, 6, 10, 0, False) is True
 
 
 def test_cpu_meter_counts_each_thread_by_role():

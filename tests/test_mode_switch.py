@@ -50,12 +50,9 @@ def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confi
 def test_steady_steps_tell_how_many_steps_surely_keep_the_current_mode():
     chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3)
     steady = []
-    for step in range(108):
+    for _ in range(108):
         steady.append(chooser.steady_steps)
-        chooser.record(1.0 if chooser.mode == SCHEDULED else 1.3)
-        if chooser.end_step():
-            chooser.adopt(chooser.propose())
-    history = "".join(mode[0] for mode in chooser.history)
+        history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 1)
     assert steady[:10] == [0] * 10  # warm-up and trials: the mode may change at any decision
     for step, count in enumerate(steady):
         if count and step + count < len(history):  # in a hold: that many steps keep the mode, the next changes it

@@ -285,10 +285,10 @@ def round_order(names: List[str], round_index: int) -> List[str]:
     return list(names) if round_index % 2 == 0 else list(reversed(names))
 
 
-def trace_block(round_index: int, rounds: int, iters: int, steady: Optional[int],
-                traced_steady: bool) -> Tuple[bool, bool]:
-    """Whether to trace a system's block of round ``round_index``, and whether the block keeps
-    one mode throughout (``steady``: :meth:`System.steady_steps` before the block).
+def trace_block(round_index: int, rounds: int, iters: int, steady: Optional[int], traced_before: bool) -> bool:
+    """Whether to trace a system's block of round ``round_index`` (``steady``:
+    :meth:`System.steady_steps` before the block; ``traced_before``: an earlier block of the
+    system was traced, which only happens to one that kept one mode throughout).
 
     The last round is traced, as the timelines show the run's end, unless its block will
     switch modes (a re-trial) and a block that kept one mode was traced already: with
@@ -297,11 +297,9 @@ def trace_block(round_index: int, rounds: int, iters: int, steady: Optional[int]
     the chosen schedule (twentieth round, 2026-11-28). So an earlier block is traced too when
     it is the last that fits in the current hold; the charts draw the last block traced.
     """
-    fits = steady is None or steady >= iters
     if round_index == rounds - 1:
-        return fits or not traced_steady, fits
-    last_in_hold = steady is not None and iters <= steady < 2 * iters
-    return last_in_hold, last_in_hold
+        return steady is None or steady >= iters or not traced_before
+    return steady is not None and iters <= steady < 2 * iters  # the last block that fits in the hold
 
 
 def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Callable[[], None], tracer: Tracer,
@@ -341,16 +339,15 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     counted = {name: [0, 0] for name in systems}  # operations, pieces in timed blocks
     plain_steps = {name: 0 for name in systems}
     spans: Dict[str, List[Tuple[float, float]]] = {name: [] for name in systems}  # wall-clock, per block
-    traced_steady = {name: False for name in systems}  # a block that kept one mode was traced
+    traced = {name: False for name in systems}  # an earlier block was traced (one that kept one mode)
     progress(rank, 0, args.rounds)
     for round_index in range(args.rounds):
         for name in round_order(list(systems), round_index):
             system = systems[name]
             turns.begin()
-            trace, steady = trace_block(round_index, args.rounds, args.iters, system.steady_steps(),
-                                        traced_steady[name])
-            tracer.active = trace and not args.no_trace
-            traced_steady[name] = traced_steady[name] or (tracer.active and steady)
+            tracer.active = not args.no_trace and trace_block(round_index, args.rounds, args.iters,
+                                                              system.steady_steps(), traced[name])
+            traced[name] = traced[name] or tracer.active
             system.trace(tracer.active)
             barrier()
             ops, pieces = _counts(system)
