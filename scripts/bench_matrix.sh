@@ -8,7 +8,7 @@
 # Environment: RATES (default "none 1gbit 2gbit"), MODELS (default: all below), ROUNDS_LARGE
 # (default 6: about a second per iteration) and ROUNDS_SMALL (default 16: tens of ms per
 # iteration, where the gaps are small and the noise large; these runs also time the A/A
-# controls ddp-again and hvd-again, a second copy of each baseline), CELLS (instead of
+# controls ddp-again, hvd-again and mxnet-again, a second copy of each baseline), CELLS (instead of
 # MODELS x RATES: "model:rate ..." in the order given, e.g. "vgg:1gbit mlp:1gbit"),
 # PYTHON_BIN (default .venv/bin). Takes several hours on the project's 2-core
 # machine (the twentieth round's 21 cells: about 2.5 hours); nothing else should run
@@ -49,6 +49,9 @@ for cell in $CELLS; do
         rounds=$ROUNDS_LARGE
     else
         systems="$systems ddp-again hvd-again"
+        if [[ "$MXNET_MODELS" == *" $model "* ]]; then
+            systems="$systems mxnet-again"
+        fi
     fi
     echo "=== $model at $rate: $systems ($rounds rounds)"
     # shellcheck disable=SC2086

@@ -35,7 +35,7 @@ from .common import (LINK_MEGABYTES, System, Tracer, Turns, add_arguments, link_
                      write_result)
 from .mxnet_models import build
 
-SYSTEMS = ("mxnet", "mxnet-scheduled")
+SYSTEMS = ("mxnet", "mxnet-scheduled", "mxnet-again")  # mxnet-again: an A/A control, a second mxnet
 LINK_KEY = 99_999  # below ScheduledKVStore's sub-keys, above any parameter index
 # Operators that are neither forward nor backward computation: copies into and out of the
 # kvstore's buffers, variable deletion, setting the head gradient.

@@ -24,12 +24,14 @@ import statistics
 from typing import Dict, List, Optional, Tuple
 
 BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "ddp-again": "ddp", "scheduled": "ddp",
-             "hvd-scheduled": "hvd", "hvd-again": "hvd", "mxnet-scheduled": "mxnet"}
+             "hvd-scheduled": "hvd", "hvd-again": "hvd", "mxnet-scheduled": "mxnet",
+             "mxnet-again": "mxnet"}
 # Which link measurement (see runner.LINKS) is each system's own framework's sending rate.
 LINK_OF = {"ddp": "gloo all-reduce", "ddp-hook": "gloo all-reduce", "ddp-torch-hook": "gloo all-reduce",
            "ddp-again": "gloo all-reduce", "scheduled": "gloo all-reduce",
            "hvd": "Horovod all-reduce", "hvd-scheduled": "Horovod all-reduce", "hvd-again": "Horovod all-reduce",
-           "mxnet": "ps-lite push+pull", "mxnet-scheduled": "ps-lite push+pull"}
+           "mxnet": "ps-lite push+pull", "mxnet-scheduled": "ps-lite push+pull",
+           "mxnet-again": "ps-lite push+pull"}
 LABELS = {
     "compute": "compute only (no communication)",
     "comm": "communication only (all-reduce, no compute)",
@@ -43,6 +45,7 @@ LABELS = {
     "hvd-again": "Horovod again (A/A control)",
     "mxnet": "MXNet dist_sync",
     "mxnet-scheduled": "MXNet + ScheduledKVStore",
+    "mxnet-again": "MXNet dist_sync again (A/A control)",
 }
 
 
@@ -165,7 +168,7 @@ def markdown(summary: dict, header: str) -> str:
                 for stats in [entry.get("scheduler") or {}] if "partition_bytes" in stats]
     if settings:
         lines += ["", f"Partition/credit in use at the end (rank 0): {'; '.join(settings)}."]
-    if any(name in summary["systems"] for name in ("mxnet", "mxnet-scheduled")):
+    if any(name in summary["systems"] for name in ("mxnet", "mxnet-scheduled", "mxnet-again")):
         lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet system ran as a job of its "
                   "own (scheduler, a server and a worker per rank); the jobs stayed up together and took turns "
                   "(each one's warm-up, then a block of each per round, the order alternating)."]

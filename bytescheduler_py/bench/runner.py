@@ -48,12 +48,12 @@ from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
 TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled")
 HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled", "hvd-again")
-MXNET_SYSTEMS = ("mxnet", "mxnet-scheduled")
+MXNET_SYSTEMS = ("mxnet", "mxnet-scheduled", "mxnet-again")
 SYSTEMS = TORCH_SYSTEMS + HOROVOD_SYSTEMS + MXNET_SYSTEMS
 # Only when asked for: DDP with PyTorch's own Python all-reduce hook, what any comm hook
 # costs; and the A/A controls, a second copy of a baseline timed against the first, which
 # show how far apart the bench puts two identical systems on this machine.
-ON_REQUEST = ("ddp-torch-hook", "ddp-again", "hvd-again")
+ON_REQUEST = ("ddp-torch-hook", "ddp-again", "hvd-again", "mxnet-again")
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in ON_REQUEST]
 QUICK_SYSTEMS = ["compute", "ddp", "ddp-hook", "scheduled"]
 WORLD = 2
@@ -391,7 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                         help="default: every system whose framework is available, but ddp-torch-hook "
                              "(DDP with PyTorch's own allreduce_hook: what any Python comm hook costs) and "
-                             "the A/A controls ddp-again and hvd-again (a second copy of the baseline: "
+                             "the A/A controls ddp-again, hvd-again and mxnet-again (a second copy of the baseline: "
                              "the spread of the bench itself)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per system")
     parser.add_argument("--iters", type=int, default=3, help="iterations per timed block")

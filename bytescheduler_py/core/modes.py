@@ -201,6 +201,20 @@ class ModeChooser:
         return self._length - self._done if self._phase == _HOLD else 0
 
     @property
+    def unread_steps(self) -> int:
+        """Steps from now on (the current one included) whose times no choice will read: a
+        hold's steps before its last :attr:`retrial` ones (the re-trial's reference, see
+        :meth:`record`); 0 in every other phase. The same on every rank.
+
+        >>> chooser = ModeChooser(start=PLAIN, hold=20, min_retrial=8)
+        >>> chooser.unread_steps, [chooser.end_step() for _ in range(12)][-1], chooser.unread_steps
+        (12, False, 0)
+        """
+        if self._phase != _HOLD:
+            return 0
+        return max(0, self._length - self._done - self.retrial)
+
+    @property
     def fixed(self) -> bool:
         """True once choosing stopped for good (:meth:`adopt` of :data:`STOP`): the scheduled path stays."""
         return self._phase == _FIXED

@@ -63,3 +63,28 @@ def test_the_plain_path_marks_each_steps_pulls_and_keeps_one_mark_in_flight():
     assert mark.asnumpy().tolist() == [5.0]  # the copy ran behind the fifth step's pull
     modes.calls.drain()
     assert not modes.calls._marks and not modes.calls._written
+
+
+def test_a_long_hold_of_the_plain_path_runs_unpaced_until_its_timed_steps_near():
+    """On a hold of MXNet's own calls the training thread runs ahead as with an unwrapped store;
+    the pacing comes back PACE_AHEAD steps before the hold's last ``retrial`` steps, whose times
+    the re-trial compares, and stays on the schedule's steps."""
+    from bytescheduler.core.modes import PLAIN, ModeChooser, ModeDriver
+    from bytescheduler.mxnet.plain import PACE_AHEAD
+
+    hold, retrial = 30, 8
+    modes = modes_for(1, Layout(0), [])
+    modes._scheduler = SimpleNamespace(step_boundary=lambda: None)
+    modes.driver = ModeDriver(ModeChooser(start=PLAIN, hold=hold, min_retrial=retrial), leader=False,
+                              agree=lambda proposal, veto: proposal)
+    modes.plain = True
+    paced, plain = [], {}
+    modes._pace = lambda: paced.append(modes._steps.steps)  # the step now beginning
+    info = KeyInfo(0, 0, (4,), "float32", [(0, 4)], [0])
+    for step in range(1, hold + 6):
+        plain[step] = modes.begin_step([info])  # the step's first push
+    assert [step for step in plain if plain[step]] == list(range(1, hold + 1))  # the hold, then the re-trial
+    first_timed = hold - retrial + 1
+    assert paced == list(range(first_timed - PACE_AHEAD + 1, hold + 6))
+    # At least two paced steps (the catch-up and a settled one) before the first timed step begins.
+    assert first_timed - paced[0] >= 2
