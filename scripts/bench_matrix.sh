@@ -41,17 +41,16 @@ for cell in $CELLS; do
     model=${cell%%:*}
     rate=${cell##*:}
     systems="compute ddp ddp-hook scheduled hvd hvd-scheduled"
+    controls="ddp-again hvd-again"
     if [[ "$MXNET_MODELS" == *" $model "* ]]; then
         systems="$systems mxnet mxnet-scheduled"
+        controls="$controls mxnet-again"
     fi
     rounds=$ROUNDS_SMALL
     if [ "${ITERS[$model]}" -le 10 ]; then
         rounds=$ROUNDS_LARGE
     else
-        systems="$systems ddp-again hvd-again"
-        if [[ "$MXNET_MODELS" == *" $model "* ]]; then
-            systems="$systems mxnet-again"
-        fi
+        systems="$systems $controls"
     fi
     echo "=== $model at $rate: $systems ($rounds rounds)"
     # shellcheck disable=SC2086

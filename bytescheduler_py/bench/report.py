@@ -168,7 +168,7 @@ def markdown(summary: dict, header: str) -> str:
                 for stats in [entry.get("scheduler") or {}] if "partition_bytes" in stats]
     if settings:
         lines += ["", f"Partition/credit in use at the end (rank 0): {'; '.join(settings)}."]
-    if any(name in summary["systems"] for name in ("mxnet", "mxnet-scheduled", "mxnet-again")):
+    if any(LINK_OF.get(name) == "ps-lite push+pull" for name in summary["systems"]):
         lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet system ran as a job of its "
                   "own (scheduler, a server and a worker per rank); the jobs stayed up together and took turns "
                   "(each one's warm-up, then a block of each per round, the order alternating)."]

@@ -210,9 +210,7 @@ class ModeChooser:
         >>> chooser.unread_steps, [chooser.end_step() for _ in range(12)][-1], chooser.unread_steps
         (12, False, 0)
         """
-        if self._phase != _HOLD:
-            return 0
-        return max(0, self._length - self._done - self.retrial)
+        return max(0, (self.steady_steps or 0) - self.retrial)
 
     @property
     def fixed(self) -> bool:
