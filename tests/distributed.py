@@ -51,6 +51,37 @@ class RanksFailed(AssertionError):
     pass
 
 
+# How long a failed run waits for the other ranks' reports: a rank's error is often the
+# echo of another's (gloo's "Connection closed by peer" when the other rank died first).
+_OTHERS_WAIT = 5.0
+
+
+def _failure_report(first: str, done: List[int], results: Any, processes: List[Any]) -> str:
+    """``first`` (what failed first; ``done``: the ranks it or a result accounts for), then what
+    the other ranks send within ``_OTHERS_WAIT``, and which died without a word (a crash in
+    native code)."""
+    report = [first]
+    silent = {r for r in range(len(processes)) if r not in done}
+    end = time.monotonic() + _OTHERS_WAIT
+    exited = False  # all silent ranks had exited at the last empty read: one more read, then stop
+    while silent and time.monotonic() < end:
+        try:
+            other, status, value = results.get(timeout=min(0.2, max(0.01, end - time.monotonic())))
+        except queue.Empty:
+            if exited:
+                break
+            exited = all(processes[r].exitcode is not None for r in silent)
+            continue
+        silent.discard(other)
+        if status != "ok":
+            report.append(f"rank {other} failed too:\n{value}")
+    for other in sorted(silent):
+        code = processes[other].exitcode
+        if code not in (None, 0):
+            report.append(f"rank {other} exited with code {code} without a report")
+    return "\n".join(report)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -92,14 +123,16 @@ def run_ranks(
                 for r in dead:
                     errors[r] = f"process exited with code {processes[r].exitcode} without a result"
                 if dead and not expect_failures:
-                    raise RanksFailed(f"rank(s) died: {errors}")
+                    raise RanksFailed(_failure_report(f"rank(s) died: {errors}", [*outcome, *dead],
+                                                      results, processes))
                 continue
             if status == "ok":
                 outcome[rank] = value
             elif expect_failures:
                 errors[rank] = value
             else:
-                raise RanksFailed(f"rank {rank} failed:\n{value}")
+                raise RanksFailed(_failure_report(f"rank {rank} failed:\n{value}", [*outcome, rank],
+                                                  results, processes))
         for rank, process in enumerate(processes):
             process.join(timeout=max(1.0, end - time.monotonic()))
             if process.is_alive():

@@ -59,6 +59,7 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     assert _namespaces() == before  # torn down
     assert "| ScheduledOptimizer |" in done.stdout and "vs DDP default" in done.stdout
     summary = json.loads((out / "results.json").read_text())
+    assert summary["lead_in"] == 0 and "each from rest to rest" in (out / "results.md").read_text()
     assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled"}
     assert summary["systems"]["ddp-torch-hook"]["baseline"] == "ddp"
     assert summary["systems"]["ddp-again"]["baseline"] == "ddp" and "A/A control" in done.stdout
@@ -122,10 +123,13 @@ def test_bench_runs_another_framework_in_namespaces(tmp_path, baseline, schedule
     """Horovod ranks without horovodrun; MXNet as a ps-lite job per block, a server and a worker per namespace."""
     before = _namespaces()
     out = tmp_path / "out"
-    done = _bench(out, "--systems", baseline, scheduled, *control)
+    lead_in = ["--lead-in", "1"] if baseline == "hvd" else []  # refused with MXNet (below)
+    done = _bench(out, *lead_in, "--systems", baseline, scheduled, *control)
     assert _namespaces() == before  # torn down
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())
+    assert summary["lead_in"] == len(lead_in) // 2
+    assert ("steady state (after 1 untimed iteration;" in (out / "results.md").read_text()) == bool(lead_in)
     assert list(summary["systems"]) == [baseline, scheduled, *control]
     for name in (baseline, scheduled, *control):
         entry = summary["systems"][name]
@@ -175,7 +179,7 @@ def test_blocks_take_turns_with_another_job(tmp_path):
         steady_steps = lambda self: None
         stats = lambda self: {}
 
-    args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, no_trace=True)
+    args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, lead_in=0, no_trace=True)
     dirs = {name: tmp_path / name for name in "ab"}
     threads = []
     for name, directory in dirs.items():
@@ -198,6 +202,51 @@ def test_blocks_take_turns_with_another_job(tmp_path):
         thread.join(10)
         assert not thread.is_alive()
     assert log == ["b", "a", "a", "b", "b", "a"]
+
+
+def test_a_blocks_lead_in_times_the_steady_state():
+    """--lead-in: each block's first iterations are not timed, nor is the flush after the timed
+    ones (no flush in between either): the span covers whole periods of a running training."""
+    from types import SimpleNamespace
+
+    from bytescheduler.bench.common import Tracer, run_blocks
+
+    calls: list = []
+
+    class Slow:
+        tuned = False
+
+        def iterate(self):
+            calls.append("i")
+            time.sleep(0.05)
+
+        def flush(self):
+            calls.append("f")
+            time.sleep(0.3)  # the pending communication of the last iteration: not timed
+
+        trace = choosing = lambda self, *a: False
+        modes = mode_verdicts = lambda self: ""
+        steady_steps = lambda self: None
+        stats = lambda self: {}
+
+    args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, lead_in=4, no_trace=True)
+    times, *_ = run_blocks({"slow": Slow()}, args, lambda: None, Tracer(0), 0)
+    assert "".join(calls) == "if" + "iiiiif" * 2  # warm-up, then lead-in and timed iterations, one flush
+    # Each block timed one iteration (50 ms), not the lead-in's four more nor the flush.
+    assert all(0.05 <= t < 0.2 for t in times["slow"]), times
+    # From rest (no lead-in) the flush is inside the block.
+    calls.clear()
+    times, *_ = run_blocks({"slow": Slow()}, SimpleNamespace(**{**vars(args), "lead_in": 0}), lambda: None, Tracer(0), 0)
+    assert "".join(calls) == "if" + "if" * 2 and all(t >= 0.35 for t in times["slow"]), times
+
+
+def test_a_lead_in_is_refused_with_mxnet_systems(tmp_path):
+    """MXNet's engine queues a block without running it: a span that ends without waiting would
+    time the queueing (a 0.005 s 'iteration' of dist_sync on VGG-like, 2026-11-28)."""
+    before = _namespaces()
+    done = _bench(tmp_path / "out", "--lead-in", "1", "--systems", "ddp", "mxnet", timeout=120)
+    assert done.returncode != 0 and "--lead-in cannot time mxnet" in done.stderr, done.stderr[-2000:]
+    assert _namespaces() == before and not (tmp_path / "out").exists()
 
 
 def test_bench_without_mxnet_says_why(tmp_path):

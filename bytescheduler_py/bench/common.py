@@ -213,6 +213,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", nargs="+", required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--lead-in", type=int, default=0,
+                        help="untimed iterations at the start of each block (see run_blocks)")
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--partition", default=None)
     parser.add_argument("--credit", default=None)
@@ -308,7 +310,17 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
     """Warm every system up, then ``args.rounds`` rounds of one timed block per system, in turns.
 
     A barrier starts each block; the system's flush (waiting for its pending communication)
-    ends it inside the timed block. The systems' order alternates (:func:`round_order`).
+    ends it inside the timed block: a block runs from rest to rest, which charges a system
+    that overlaps one iteration's sending with the next forward (ScheduledOptimizer) one
+    forward and one backward per block in which nothing can be sent yet (about 0.1 s per
+    block on the VGG-like model at 1 Gbit/s). With ``args.lead_in``, the block measures the
+    steady state instead: that many untimed iterations first, then the timer runs from the
+    end of the last of them to the end of the last timed ``iterate()``, and the flush comes
+    after it, untimed. Both ends of the timed span are then at the same point of the
+    iteration, with the same work in flight, so the span is ``args.iters`` whole periods of a
+    training that does not stop (the same as from rest for a system that waits for its
+    communication inside each iteration, as DDP does).
+    The systems' order alternates (:func:`round_order`).
     With ``turns``, the warm-up and every block wait for the job's turn (:class:`Turns`).
     The last round is traced unless ``args.no_trace`` (:func:`trace_block`: with a mode switch,
     rather the last block that keeps one mode throughout).
@@ -345,11 +357,13 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
         for name in round_order(list(systems), round_index):
             system = systems[name]
             turns.begin()
-            tracer.active = not args.no_trace and trace_block(round_index, args.rounds, args.iters,
+            tracer.active = not args.no_trace and trace_block(round_index, args.rounds, args.lead_in + args.iters,
                                                               system.steady_steps(), traced[name])
             traced[name] = traced[name] or tracer.active
             system.trace(tracer.active)
             barrier()
+            for _ in range(args.lead_in):
+                system.iterate()
             ops, pieces = _counts(system)
             steps_before = len(system.modes())
             busy_start = cpu_busy_seconds(cpu) if cpu is not None else 0.0
@@ -357,17 +371,21 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
             wall, start = time.time(), time.perf_counter()
             for _ in range(args.iters):
                 system.iterate()
-            system.flush()
+            if not args.lead_in:
+                system.flush()
             elapsed = time.perf_counter() - start
+            busy_end = cpu_busy_seconds(cpu) if cpu is not None else 0.0
             spans[name].append((wall, wall + elapsed))
             meter.stop(name, args.iters)
+            if args.lead_in:
+                system.flush()
             ops_end, pieces_end = _counts(system)
             counted[name][0] += ops_end - ops
             counted[name][1] += pieces_end - pieces
             plain_steps[name] += system.modes()[steps_before:].count("p")
             times[name].append(elapsed / args.iters)
             if cpu is not None:
-                busy[name].append(min(1.0, (cpu_busy_seconds(cpu) - busy_start) / elapsed))
+                busy[name].append(min(1.0, (busy_end - busy_start) / elapsed))
             tracer.active = False
             system.trace(False)
             rss[name] = max(rss[name], rss_mib())

@@ -227,9 +227,15 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
     """
     summary = summarize(results, args.batch_size)
     summary.update({"command": command, "network": network, "model": args.model, "batch_size": args.batch_size,
-                    "iterations_per_block": args.iters, "rounds": args.rounds, "left_out": dict(left_out or {})})
+                    "iterations_per_block": args.iters, "lead_in": getattr(args, "lead_in", 0), "rounds": args.rounds,
+                    "left_out": dict(left_out or {})})
+    lead_in = summary["lead_in"]
+    start = (f", each in the steady state (after {lead_in} untimed iteration{'s' if lead_in > 1 else ''}; "
+             "the last one's pending communication waited for after the timed span)" if lead_in
+             else ", each from rest to rest")
     header = (f"Model {args.model}, batch {args.batch_size} per rank, {summary['world_size']} ranks, {network}; "
-              f"{args.rounds} alternating blocks of {args.iters} iterations per system.\n\nCommand: `{command}`")
+              f"{args.rounds} alternating blocks of {args.iters} iterations per system{start}."
+              f"\n\nCommand: `{command}`")
     table = markdown(summary, header)
     with open(os.path.join(out_dir, "results.json"), "w") as handle:
         json.dump(summary, handle, indent=1)

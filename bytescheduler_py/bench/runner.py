@@ -156,6 +156,7 @@ def _worker_options(args: argparse.Namespace, systems: List[str], job_dir: str, 
     options = [
         "--model", args.model, "--batch-size", str(args.batch_size), "--systems", *systems,
         "--warmup", str(args.warmup), "--iters", str(args.iters), "--rounds", str(rounds),
+        "--lead-in", str(args.lead_in),
         "--trace-dir", args.trace_dir, "--output", os.path.join(job_dir, "rank{rank}.json"),
     ]
     if args.partition:
@@ -383,6 +384,20 @@ def choose_systems(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str]]
     return [name for name in wanted if name not in left_out], left_out
 
 
+def check_lead_in(lead_in: int, systems: List[str]) -> None:
+    """``--lead-in`` times a span that ends without waiting for communication: that measures
+    whole periods only where each iteration bounds how far the training thread runs ahead
+    (DDP and Horovod wait inside ``step()``, ScheduledOptimizer's forward waits for each
+    layer). MXNet's engine queues a whole block without running it, so it is refused there."""
+    if lead_in < 0:
+        raise SystemExit(f"bytescheduler bench: --lead-in must be 0 or more, not {lead_in}")
+    mxnet = [name for name in systems if name in MXNET_SYSTEMS]
+    if lead_in and mxnet:
+        raise SystemExit(f"bytescheduler bench: --lead-in cannot time {' '.join(mxnet)}: MXNet's engine runs "
+                         "gluon's training thread ahead of the work it queues, so a span that ends without "
+                         "waiting would time the queueing; leave --lead-in out, or run the MXNet systems apart")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="bytescheduler bench", description=__doc__.splitlines()[0])
     parser.add_argument("--bandwidth", default="none", help="link rate per direction, e.g. 1gbit, 2gbit, or none")
@@ -396,6 +411,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per system")
     parser.add_argument("--iters", type=int, default=3, help="iterations per timed block")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (blocks per system)")
+    parser.add_argument("--lead-in", type=int, default=0, metavar="ITERS",
+                        help="measure the steady state: ITERS untimed iterations start each block, and the "
+                        "timed span ends with the last timed iteration, its pending communication waited for "
+                        "after it (default 0: each block runs from rest to rest, which charges cross-iteration "
+                        "overlap one forward and one backward per block)")
     parser.add_argument("--partition", default=None, help="partition size (default: the library's)")
     parser.add_argument("--credit", default=None, help="credit size (default: the library's)")
     parser.add_argument("--auto-tune", type=int, default=0, metavar="STEPS",
@@ -419,8 +439,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # with 12 a ratio's median still had ~2.5% standard error (iterations spread ~10%).
         args.warmup, args.iters, args.rounds = 3, 10, 16
     started = time.monotonic()
+    check_lead_in(args.lead_in, args.systems or [])  # asked for by name: before looking for MXNet
     systems, left_out = choose_systems(args)
     args.systems = systems
+    check_lead_in(args.lead_in, systems)
     os.makedirs(args.out, exist_ok=True)
     # SIGTERM unwinds like Ctrl-C, so every job's processes are killed and the namespaces torn down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -1,0 +1,41 @@
+"""The multi-process test harness itself: when a rank fails, the report carries what the
+other ranks said or how they died, since one rank's error is often the echo of another's."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests.distributed import RanksFailed, run_ranks
+
+
+def _root_and_echo(rank, world_size):
+    if rank == 0:
+        time.sleep(0.5)  # the echo arrives first, as gloo's "connection closed" does
+        raise ValueError("the root cause on rank 0")
+    raise RuntimeError("an echo on rank 1")
+
+
+def _crash_and_echo(rank, world_size):
+    if rank == 0:
+        os._exit(7)  # dies in native code: no traceback reaches the queue
+    time.sleep(0.5)
+    raise RuntimeError("an echo on rank 1")
+
+
+def test_a_failed_run_reports_every_rank_that_failed():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_root_and_echo, 2, deadline=60)
+    report = str(failed.value)
+    assert "rank 1 failed" in report and "an echo on rank 1" in report
+    assert "rank 0 failed too" in report and "the root cause on rank 0" in report
+
+
+def test_a_failed_run_names_a_rank_that_died_without_a_report():
+    with pytest.raises(RanksFailed) as failed:
+        run_ranks(_crash_and_echo, 2, deadline=60)
+    report = str(failed.value)
+    # Named either way: as the first to fail (its death seen first) or beside rank 1's echo.
+    assert "an echo on rank 1" in report and "code 7" in report and "rank 0" in report
