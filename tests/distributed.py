@@ -123,8 +123,8 @@ def run_ranks(
                 for r in dead:
                     errors[r] = f"process exited with code {processes[r].exitcode} without a result"
                 if dead and not expect_failures:
-                    raise RanksFailed(_failure_report(f"rank(s) died: {errors}", [*outcome, *dead],
-                                                      results, processes))
+                    died = "; ".join(f"rank {r}: {errors[r]}" for r in dead)
+                    raise RanksFailed(_failure_report(f"rank(s) died: {died}", [*outcome, *dead], results, processes))
                 continue
             if status == "ok":
                 outcome[rank] = value
