@@ -30,9 +30,14 @@ def width_for(seconds: float, left) -> int:
     sample = 2000
     right = mx.nd.ones((SIDE, sample))
     mx.nd.dot(left, right).wait_to_read()  # warm up
-    began = time.perf_counter()
-    mx.nd.dot(left, right).wait_to_read()
-    return max(sample, int(sample * seconds / (time.perf_counter() - began)))
+    # The fastest of a few samples: one taken while the other rank's processes hold the core
+    # made the product 0.3 s instead of 0.8 s, and the margin of the test went with it.
+    took = []
+    for _ in range(3):
+        began = time.perf_counter()
+        mx.nd.dot(left, right).wait_to_read()
+        took.append(time.perf_counter() - began)
+    return max(sample, int(sample * seconds / min(took)))
 
 
 def main(trace_dir: str) -> None:
