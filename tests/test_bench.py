@@ -154,6 +154,17 @@ def test_bench_runs_another_framework_in_namespaces(tmp_path, baseline, schedule
     assert all(a[0][1] <= b[0][0] for a, b in zip(spans, spans[1:])), spans
 
 
+class _Idle:
+    """What run_blocks asks of a system besides ``iterate`` and ``flush``: no tuning, no mode
+    switch, nothing traced or counted (the fakes below add the two)."""
+
+    tuned = False
+    trace = choosing = lambda self, *a: False
+    modes = mode_verdicts = lambda self: ""
+    steady_steps = lambda self: None
+    stats = lambda self: {}
+
+
 def test_blocks_take_turns_with_another_job(tmp_path):
     """Two jobs' run_blocks through one runner's files: each waits for its turn, says when it is done."""
     from types import SimpleNamespace
@@ -162,9 +173,7 @@ def test_blocks_take_turns_with_another_job(tmp_path):
 
     log: list = []
 
-    class Logged:
-        tuned = False
-
+    class Logged(_Idle):
         def __init__(self, name):
             self.name = name
 
@@ -173,11 +182,6 @@ def test_blocks_take_turns_with_another_job(tmp_path):
 
         def flush(self):
             pass
-
-        trace = choosing = lambda self, *a: False
-        modes = mode_verdicts = lambda self: ""
-        steady_steps = lambda self: None
-        stats = lambda self: {}
 
     args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, lead_in=0, no_trace=True)
     dirs = {name: tmp_path / name for name in "ab"}
@@ -213,9 +217,7 @@ def test_a_blocks_lead_in_times_the_steady_state():
 
     calls: list = []
 
-    class Slow:
-        tuned = False
-
+    class Slow(_Idle):
         def iterate(self):
             calls.append("i")
             time.sleep(0.05)
@@ -223,11 +225,6 @@ def test_a_blocks_lead_in_times_the_steady_state():
         def flush(self):
             calls.append("f")
             time.sleep(0.3)  # the pending communication of the last iteration: not timed
-
-        trace = choosing = lambda self, *a: False
-        modes = mode_verdicts = lambda self: ""
-        steady_steps = lambda self: None
-        stats = lambda self: {}
 
     args = SimpleNamespace(warmup=1, auto_tune=0, rounds=2, iters=1, lead_in=4, no_trace=True)
     times, *_ = run_blocks({"slow": Slow()}, args, lambda: None, Tracer(0), 0)

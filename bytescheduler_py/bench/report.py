@@ -227,7 +227,7 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
     """
     summary = summarize(results, args.batch_size)
     summary.update({"command": command, "network": network, "model": args.model, "batch_size": args.batch_size,
-                    "iterations_per_block": args.iters, "lead_in": getattr(args, "lead_in", 0), "rounds": args.rounds,
+                    "iterations_per_block": args.iters, "lead_in": args.lead_in, "rounds": args.rounds,
                     "left_out": dict(left_out or {})})
     lead_in = summary["lead_in"]
     start = (f", each in the steady state (after {lead_in} untimed iteration{'s' if lead_in > 1 else ''}; "
