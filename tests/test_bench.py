@@ -267,6 +267,12 @@ def test_bench_without_mxnet_says_why(tmp_path):
     # A model without an MXNet version is left out too.
     args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="gpt2")
     assert "no MXNet version" in choose_systems(args)[1]["mxnet-scheduled"]
+    # --lead-in cannot time MXNet (test_a_lead_in_is_refused_with_mxnet_systems): left out too.
+    args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="tiny", lead_in=1)
+    systems, left_out = choose_systems(args)
+    assert systems == [name for name in TORCH_SYSTEMS + HOROVOD_SYSTEMS if name not in ON_REQUEST]
+    assert set(left_out) == set(MXNET_SYSTEMS) - set(ON_REQUEST)
+    assert all("engine" in why and "--lead-in" in why for why in left_out.values())
 
 
 def test_mxnet_models_have_the_torch_models_shapes():
