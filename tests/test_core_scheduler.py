@@ -948,6 +948,23 @@ def test_payload_is_released_when_the_task_is_done_without_the_garbage_collector
         gc.enable()
 
 
+def test_an_operation_is_its_own_completion_callback(cleanup):
+    # No object is made per operation just to carry its completion (a functools.partial
+    # was one more for the garbage collector to traverse per operation in flight); the
+    # backend's done is the operation, and calling it completes that operation only.
+    backend = cleanup.backend("manual")
+    s = cleanup.scheduler(backend, partition_bytes=8, credit_bytes=64)
+    futures = [s.submit(Task(key=k, numel=16, itemsize=1, priority=k, payload=None)) for k in range(2)]
+    backend.wait_launched(4)
+    held = list(backend.held)
+    assert all(done is record.op for record, done, _ in held)
+    assert [record.pieces[0][0] for record, _, _ in held] == [0, 0, 1, 1]
+    backend.release(2)  # calls done(None) of key 0's two pieces
+    assert futures[0].result(timeout=WAIT).key == 0 and not futures[1].done()
+    backend.release(2)
+    assert futures[1].result(timeout=WAIT).key == 1
+
+
 # --- cycle: holding queued work briefly so it merges ------------------------------------
 def _launch_delay(backend, submitted_at, count=1):
     backend.wait_launched(count)

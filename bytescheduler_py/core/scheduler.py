@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import functools
 import threading
 import time
 from typing import Any, Callable, Dict, Optional, Union
@@ -336,7 +335,7 @@ class Scheduler:
                 self._pieces_launched += sum(len(op.pieces) for op in ops)
                 launch, on_done = self._backend.launch, self._on_done
                 for op in ops:
-                    launch(op, functools.partial(on_done, op))
+                    launch(op, op.on_done(on_done))  # the operation is its own callback
         except BaseException as error:  # noqa: BLE001 - any failure must reach the user
             self._fail(error)
 

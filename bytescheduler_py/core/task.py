@@ -189,9 +189,16 @@ class Piece:
 
 
 class Operation:
-    """One backend call: a single piece, or several small pieces fused together."""
+    """One backend call: a single piece, or several small pieces fused together.
 
-    __slots__ = ("pieces", "lane", "nbytes", "op_id", "launch_time", "context")
+    Launched, it is also its own completion callback: the runtime hands the operation itself
+    to the backend as ``done``, and ``op(error)`` reports to whoever launched it. One object
+    less per operation in flight (a ``functools.partial`` was one more object for the garbage
+    collector to traverse while thousands of small operations wait; see
+    docs/microbenchmark.md).
+    """
+
+    __slots__ = ("pieces", "lane", "nbytes", "op_id", "launch_time", "context", "_report")
 
     def __init__(self, pieces: Sequence[Piece], lane: int, op_id: int, nbytes: Optional[int] = None) -> None:
         self.pieces = pieces
@@ -200,6 +207,16 @@ class Operation:
         self.op_id = op_id
         self.launch_time = 0.0
         self.context: Any = None
+        self._report: Optional[Callable[["Operation", Optional[BaseException]], None]] = None
+
+    def on_done(self, report: Callable[["Operation", Optional[BaseException]], None]) -> "Operation":
+        """Make ``self(error)`` call ``report(self, error)``; returns the operation, the callback."""
+        self._report = report
+        return self
+
+    def __call__(self, error: Optional[BaseException]) -> None:
+        """The operation finished (``error`` None) or failed: tell whoever launched it."""
+        self._report(self, error)
 
     @property
     def fused(self) -> bool:
