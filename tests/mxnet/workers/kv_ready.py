@@ -22,18 +22,24 @@ from bytescheduler.launcher import run_worker
 
 SIDE = 400
 # The slow array must take well over the test's 0.1 s to compute on any machine: the chain's
-# length is set from a timed sample of products (a fixed count took only 95 ms on one CI machine).
+# length is set from timed samples of products (a fixed count took only 95 ms on one CI machine).
 SLOW_SECONDS = 0.4
 
 
 def products_for(seconds: float, factor) -> int:
-    sample = 10
-    began = time.perf_counter()
-    product = factor
-    for _ in range(sample):
-        product = mx.nd.dot(product, factor)
-    product.wait_to_read()
-    each = (time.perf_counter() - began) / sample
+    sample = 5
+    mx.nd.dot(factor, factor).wait_to_read()  # warm up
+    # The fastest of a few samples, as in kv_early.py: one sample taken while the other rank's
+    # processes hold the core reads the products as slow and makes the chain too short.
+    took = []
+    for _ in range(3):
+        began = time.perf_counter()
+        product = factor
+        for _ in range(sample):
+            product = mx.nd.dot(product, factor)
+        product.wait_to_read()
+        took.append(time.perf_counter() - began)
+    each = min(took) / sample
     return max(sample, int(seconds / each) + 1)
 
 
