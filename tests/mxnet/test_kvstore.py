@@ -247,11 +247,15 @@ def test_push_enters_the_scheduler_when_its_array_is_computed(tmp_path):
     assert sorted(lines) == ["0", "1"], text
     for rank, line in lines.items():
         times = {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line)}
-        assert times["computed"] - times["called"] > 0.1, f"the slow array was not slow: {times}"
+        slow = times["computed"] - times["called"]
+        assert slow > 0.1, f"the slow array was not slow: {times}"
         spans = _task_spans(tmp_path / f"ready.rank{rank}.json")
         slow_entered = spans["key0"][0]
         assert slow_entered >= times["computed"] - 0.01, (rank, slow_entered - times["computed"], text)
-        assert spans["key1"][0] < times["called"] + 0.05, ("the ready key waited for the slow one", rank, spans, times)
+        # Before half the slow array's time: a key that waited for it enters after it is computed.
+        # (A fixed 50 ms was tight: the call itself took up to 38 ms on a busy 2-core machine.)
+        assert spans["key1"][0] < times["called"] + slow / 2, \
+            ("the ready key waited for the slow one", rank, spans, times)
 
 
 @pytest.mark.timeout(TIMEOUT)
