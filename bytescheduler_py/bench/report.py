@@ -23,6 +23,8 @@ import os
 import statistics
 from typing import Dict, List, Optional, Tuple
 
+from ..launcher import ENGINE_ENV, with_engine_env
+
 BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "ddp-again": "ddp", "scheduled": "ddp",
              "hvd-scheduled": "hvd", "hvd-again": "hvd", "mxnet-scheduled": "mxnet",
              "mxnet-again": "mxnet"}
@@ -128,6 +130,14 @@ def summarize(results: List[dict], batch_size: int) -> dict:
     }
 
 
+def _engine_note() -> str:
+    """The MXNet engine's bulking in force for every MXNet job (:func:`~bytescheduler.bench.runner.mxnet_nodes`)."""
+    env = with_engine_env(dict(os.environ))
+    keys = ("MXNET_EXEC_BULK_EXEC_TRAIN", *ENGINE_ENV)
+    return "Every MXNet process, the baseline's too, ran with " + ", ".join(
+        f"{key}={env[key]}" for key in keys if key in env) + " (MXNet's engine bulking of the backward pass)."
+
+
 def markdown(summary: dict, header: str) -> str:
     floors = summary["floors"]
     lines = [
@@ -171,7 +181,8 @@ def markdown(summary: dict, header: str) -> str:
     if any(LINK_OF.get(name) == "ps-lite push+pull" for name in summary["systems"]):
         lines += ["", "MXNet: one process cannot hold two dist_sync stores, so each MXNet system ran as a job of its "
                   "own (scheduler, a server and a worker per rank); the jobs stayed up together and took turns "
-                  "(each one's warm-up, then a block of each per round, the order alternating)."]
+                  "(each one's warm-up, then a block of each per round, the order alternating). "
+                  + _engine_note()]
     reasons: Dict[str, List[str]] = {}
     for name, why in summary.get("left_out", {}).items():
         reasons.setdefault(why, []).append(name)

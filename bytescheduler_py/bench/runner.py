@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Tuple
 from .common import round_order, touch
 from .models import MODELS
 from .report import merge, report
-from ..launcher import free_port
+from ..launcher import free_port, with_engine_env
 from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
 TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled")
@@ -228,7 +228,8 @@ def horovod_ranks(testbed: Testbed, module: str, options: List[str], job_dir: st
 def mxnet_nodes(testbed: Testbed, worker: List[str], python: str, port: Optional[int] = None) -> List[Process]:
     """A ps-lite job: the scheduler (at ``port``, default a free one) in rank 0's namespace, a
     server and a worker (``worker``, a command) in each rank's."""
-    base = {key: value for key, value in os.environ.items() if not key.startswith("DMLC_")}
+    # MXNet's engine settings as bytescheduler mxnet-launch gives them, to every system alike.
+    base = with_engine_env({key: value for key, value in os.environ.items() if not key.startswith("DMLC_")})
     base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", BYTESCHEDULER_TIMELINE="",
                 DMLC_PS_ROOT_URI=testbed.master_addr, DMLC_PS_ROOT_PORT=str(port or free_port()),
                 DMLC_NUM_SERVER=str(WORLD), DMLC_NUM_WORKER=str(WORLD))

@@ -56,6 +56,7 @@ from ..core.errors import ByteSchedulerError, ErrorLatch
 from ..core.modes import ModeDriver
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel
+from ..launcher import engine_hint
 from .backend import Job, JobQueue, KVBackend
 from .grain import COARSE_SERVERS, choose_grain, probe_rate
 from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_optimizer, key_pairs, rank0_json
@@ -198,6 +199,9 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._optimizer_sent = False
         if not self._scheduled:
             return
+        hint = engine_hint(dict(os.environ))
+        if hint is not None:
+            log.warning(f"rank {self._rank}: {hint}")
         self._backend = KVBackend(inner, self._rank, self._num_workers, config.timeout)
         self._channel = TcpOrderChannel(self._rank, config.timeout) if self._num_workers > 1 else None
         # A piece holds whole sub-keys: the tuner's search stays at or above the grain.

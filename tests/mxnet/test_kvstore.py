@@ -7,7 +7,10 @@ Training is compared bit for bit with a reference computed in one process
 (``workers/train_mlp.py reference``): each step adds the gradients of rank 0's and rank 1's
 batches (for 2 workers a + b is exact and commutative, as on the server) and applies the same
 SGD update locally. Unwrapped dist_sync with server-side SGD gives exactly these parameters
-(checked below), so the reference is MXNet's own math without its races.
+(checked below), so the reference is MXNet's own math without its races. The reference runs
+with MXNet's default bulking of the backward pass, the launched workers with bytescheduler
+mxnet-launch's bulks of one operator (``ENGINE_ENV``): equal parameters also show that setting
+leaves the arithmetic alone.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bytescheduler.launcher import launch
+from bytescheduler.launcher import ENGINE_ENV, launch
 from tests.mxnet.processes import Streamed, assert_job_stops
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -33,6 +36,8 @@ DEADLINE = 90.0
 TIMEOUT = 200
 # One thread per process: the workers and the reference then run the same kernels.
 ENV = {"OMP_NUM_THREADS": "1"}
+# The engine's bulking settings: the reference runs with MXNet's defaults.
+BULKING = ("MXNET_EXEC_BULK_EXEC_TRAIN", *ENGINE_ENV)
 
 
 def run_job(script, *args, servers=1, workers=2):
@@ -62,7 +67,7 @@ def assert_params_equal(prefix, reference):
 def reference(tmp_path_factory):
     """The reference parameters, not hybridized and hybridized, each computed once."""
     folder = tmp_path_factory.mktemp("reference")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_") and k not in BULKING}
     env.update(ENV)
     params = {}
     for hybrid in (False, True):
@@ -166,6 +171,28 @@ def test_reference_equals_unwrapped_server_sgd(reference, tmp_path):
     status, text = run_job("train_mlp.py", "plain", tmp_path / "plain", "--update-on-kv", servers=2)
     assert status == 0, text
     assert_params_equal(tmp_path / "plain", reference[False])
+
+
+@pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("given", [None, "4"])
+def test_launched_workers_get_gradients_one_by_one_and_others_are_told_how(given, tmp_path, monkeypatch):
+    # bytescheduler mxnet-launch gives every process MXNet's backward in bulks of one operator
+    # (a user's own value wins); a worker without the setting (another launcher) gets a warning
+    # from the store naming it.
+    if given is None:
+        monkeypatch.delenv("MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD", raising=False)
+    else:
+        monkeypatch.setenv("MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD", given)
+    monkeypatch.delenv("MXNET_EXEC_BULK_EXEC_TRAIN", raising=False)
+    status, text = run_job("kv_engine_hint.py")
+    assert status == 0, text
+    assert sorted(re.findall(r"BULK rank=(\d) value=(\w+)", text)) == [("0", given or "1"), ("1", given or "1")], text
+    assert "HINT rank" not in text and len(re.findall(r"HINT DONE rank=\d", text)) == 2, text
+    if given is None:
+        status, text = run_job("kv_engine_hint.py", "--drop")
+        assert status == 0, text
+        hints = re.findall(r"HINT rank=(\d) rank \d: set MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD=1 in the workers'", text)
+        assert sorted(hints) == ["0", "1"], text
 
 
 # --- (c) local store: unchanged results ----------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import List
 
 import pytest
 
-from bytescheduler.launcher import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, launch
+from bytescheduler.launcher import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, Launcher, engine_hint, launch
 from tests.mxnet.processes import MARKER, Streamed, assert_job_stops, assert_nothing_left, marked_pids, pid_alive
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -68,6 +68,24 @@ def test_dist_sync_push_pull_sums(servers, marker):
     assert "all 2 workers finished" in messages.getvalue(), text
     assert elapsed < JOB_DEADLINE
     assert_nothing_left(marker, messages.getvalue())
+
+
+@pytest.mark.parametrize("outside, given, expected", [
+    ({}, {}, "1"),                                                          # the launcher's default
+    ({"MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD": "8"}, {}, "8"),            # the user's environment wins
+    ({}, {"MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD": "4"}, "4"),            # so does launch(env=...)
+    ({"MXNET_EXEC_BULK_EXEC_TRAIN": "0"}, {}, None),                        # no bulks at all: left alone
+])
+def test_every_process_gets_the_backward_in_bulks_of_one_unless_set(outside, given, expected, monkeypatch):
+    for key in ("MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD", "MXNET_EXEC_BULK_EXEC_TRAIN"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in outside.items():
+        monkeypatch.setenv(key, value)
+    launcher = Launcher(worker("push_pull.py"), num_workers=2, num_servers=1, env=given)
+    for role in ("scheduler", "server", "worker"):
+        env = launcher._node_env(role, 0)
+        assert env.get("MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD") == expected, (role, env)
+        assert (engine_hint(env) is None) and env["DMLC_ROLE"] == role
 
 
 # --- (b) a failing worker stops the whole job at once ----------------------------------------
