@@ -123,6 +123,8 @@ def _status_of(code: int) -> int:
 # it starts, so it has to be in the worker's environment: every process of a launch gets it
 # unless it is already set. ScheduledKVStore says so when it is missing (:func:`engine_hint`).
 ENGINE_ENV = {"MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD": "1"}
+# Every variable that decides how MXNet bulks the backward pass (for reports and tests).
+ENGINE_KEYS = ("MXNET_EXEC_BULK_EXEC_TRAIN", *ENGINE_ENV)
 
 
 def with_engine_env(env: Dict[str, str]) -> Dict[str, str]:
@@ -142,7 +144,7 @@ def engine_hint(env: Dict[str, str]) -> Optional[str]:
     >>> engine_hint({})[:44]
     'set MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD='
     """
-    if all(key in env for key in ENGINE_ENV) or env.get("MXNET_EXEC_BULK_EXEC_TRAIN") == "0":
+    if with_engine_env(env) == env:
         return None  # ours, or the user's own choice
     return ("set MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD=1 in the workers' environment before they start "
             "(bytescheduler mxnet-launch does): MXNet's engine otherwise finishes the backward pass in bulks of "

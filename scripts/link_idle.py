@@ -18,32 +18,21 @@ A measurement for docs/benchmarks.md (twenty-third round), not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from typing import Dict, List, Tuple
+
+from bytescheduler.sim.trace import Span as TraceSpan
+from bytescheduler.sim.trace import read_spans
 
 Span = Tuple[float, float]
 
 
-def _events(path: str) -> List[dict]:
-    with open(path) as handle:
-        data = json.load(handle)
-    return data["traceEvents"] if isinstance(data, dict) else data
-
-
-def _spans(events: List[dict], wanted) -> Dict[Tuple[str, int, str], Dict[str, dict]]:
-    spans: Dict[Tuple[str, int, str], Dict[str, dict]] = {}
-    for event in events:
-        if event.get("ph") in ("b", "e") and wanted(event.get("cat", "")):
-            spans.setdefault((event["cat"], event["id"], event["name"]), {})[event["ph"]] = event
-    return {key: ends for key, ends in spans.items() if "b" in ends and "e" in ends}
-
-
-def operations(events: List[dict]) -> Dict[str, List[Tuple[float, float, str]]]:
-    """(launch, end, name) of each operation, in launch order, per lane (microseconds)."""
+def operations(spans: List[TraceSpan]) -> Dict[str, List[Tuple[float, float, str]]]:
+    """(launch, end, name) of each operation, in launch order, per lane (seconds)."""
     lanes: Dict[str, List[Tuple[float, float, str]]] = {}
-    for (lane, _, name), ends in _spans(events, lambda cat: cat.startswith("lane")).items():
-        lanes.setdefault(lane, []).append((ends["b"]["ts"], ends["e"]["ts"], name))
+    for category, name, begin, end, _ in spans:
+        if category.startswith("lane"):
+            lanes.setdefault(category, []).append((begin, end, name))
     for ops in lanes.values():
         ops.sort()
     return lanes
@@ -70,8 +59,8 @@ def main() -> int:
     parser.add_argument("rank0")
     parser.add_argument("rank1")
     args = parser.parse_args()
-    events0 = _events(args.rank0)
-    ops0, ops1 = operations(events0), operations(_events(args.rank1))
+    spans0 = read_spans([args.rank0])[0]
+    ops0, ops1 = operations(spans0), operations(read_spans([args.rank1])[0])
     both: List[Span] = []
     lags: List[float] = []
     for lane, first in ops0.items():
@@ -82,15 +71,14 @@ def main() -> int:
                   "out of place); matched by position anyway")
         for a, b in zip(first, second):
             both.append((max(a[0], b[0]), min(a[1], b[1])))
-            lags.append((b[0] - a[0]) / 1e3)
+            lags.append((b[0] - a[0]) * 1e3)
     link = union(both)
-    starts = sorted(ends["b"]["ts"] for ends in _spans(events0, lambda cat: cat == "compute").values()
-                    if (ends["b"].get("args") or {}).get("layer") == 0)
+    starts = sorted(begin for category, _, begin, _, args in spans0 if category == "compute" and args.get("layer") == 0)
     rows = []
     for begin, end in zip(starts, starts[1:]):
         busy = covered(link, begin, end)
         if busy > 0:
-            rows.append(((end - begin) / 1e3, busy / 1e3))
+            rows.append(((end - begin) * 1e3, busy * 1e3))
     if not rows:
         print("no iteration with operations in these traces")
         return 1

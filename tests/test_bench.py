@@ -259,13 +259,13 @@ def test_bench_without_mxnet_says_why(tmp_path):
     )
     assert done.returncode != 0 and "cannot run mxnet" in done.stderr and "no-python" in done.stderr
     # By default: left out, with the reason.
-    args = Namespace(quick=False, systems=None, mxnet_python=None, model="tiny")
+    args = Namespace(quick=False, systems=None, mxnet_python=None, model="tiny", lead_in=0)
     systems, left_out = choose_systems(args)
     assert systems == [name for name in TORCH_SYSTEMS + HOROVOD_SYSTEMS if name not in ON_REQUEST]
     assert "ddp-again" not in systems and "hvd-again" not in systems
     assert set(left_out) == set(MXNET_SYSTEMS) - set(ON_REQUEST) and "--mxnet-python" in left_out["mxnet"]
     # A model without an MXNet version is left out too.
-    args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="gpt2")
+    args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="gpt2", lead_in=0)
     assert "no MXNet version" in choose_systems(args)[1]["mxnet-scheduled"]
     # --lead-in cannot time MXNet (test_a_lead_in_is_refused_with_mxnet_systems): left out too.
     args = Namespace(quick=False, systems=None, mxnet_python=default_mxnet_python(), model="tiny", lead_in=1)

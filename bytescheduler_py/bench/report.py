@@ -23,7 +23,7 @@ import os
 import statistics
 from typing import Dict, List, Optional, Tuple
 
-from ..launcher import ENGINE_ENV, with_engine_env
+from ..launcher import ENGINE_KEYS, with_engine_env
 
 BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "ddp-again": "ddp", "scheduled": "ddp",
              "hvd-scheduled": "hvd", "hvd-again": "hvd", "mxnet-scheduled": "mxnet",
@@ -133,9 +133,8 @@ def summarize(results: List[dict], batch_size: int) -> dict:
 def _engine_note() -> str:
     """The MXNet engine's bulking in force for every MXNet job (:func:`~bytescheduler.bench.runner.mxnet_nodes`)."""
     env = with_engine_env(dict(os.environ))
-    keys = ("MXNET_EXEC_BULK_EXEC_TRAIN", *ENGINE_ENV)
     return "Every MXNet process, the baseline's too, ran with " + ", ".join(
-        f"{key}={env[key]}" for key in keys if key in env) + " (MXNet's engine bulking of the backward pass)."
+        f"{key}={env[key]}" for key in ENGINE_KEYS if key in env) + " (MXNet's engine bulking of the backward pass)."
 
 
 def markdown(summary: dict, header: str) -> str:

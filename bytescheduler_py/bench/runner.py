@@ -374,7 +374,7 @@ def choose_systems(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str]]
         problems[HOROVOD_SYSTEMS] = horovod_problem()
     if any(name in MXNET_SYSTEMS for name in wanted):
         # Asked for by name with --lead-in, check_lead_in has refused them already.
-        problems[MXNET_SYSTEMS] = (_LEAD_IN_MXNET if getattr(args, "lead_in", 0)
+        problems[MXNET_SYSTEMS] = (_LEAD_IN_MXNET if args.lead_in
                                    else mxnet_problem(args.mxnet_python, args.model))
     left_out = {}
     for group, problem in problems.items():
@@ -387,6 +387,13 @@ def choose_systems(args: argparse.Namespace) -> Tuple[List[str], Dict[str, str]]
     return [name for name in wanted if name not in left_out], left_out
 
 
+# Why --lead-in and the MXNet systems do not go together (an error when they are asked for by
+# name, the reason they are left out of the default set).
+_LEAD_IN_MXNET = ("MXNet's engine runs gluon's training thread ahead of the work it queues, so a span that "
+                  "ends without waiting would time the queueing; leave --lead-in out, or run the MXNet "
+                  "systems apart")
+
+
 def check_lead_in(lead_in: int, systems: List[str]) -> None:
     """``--lead-in`` times a span that ends without waiting for communication: that measures
     whole periods only where each iteration bounds how far the training thread runs ahead
@@ -397,13 +404,6 @@ def check_lead_in(lead_in: int, systems: List[str]) -> None:
     mxnet = [name for name in systems if name in MXNET_SYSTEMS]
     if lead_in and mxnet:
         raise SystemExit(f"bytescheduler bench: --lead-in cannot time {' '.join(mxnet)}: {_LEAD_IN_MXNET}")
-
-
-# Why --lead-in and the MXNet systems do not go together (an error when they are asked for by
-# name, the reason they are left out of the default set).
-_LEAD_IN_MXNET = ("MXNet's engine runs gluon's training thread ahead of the work it queues, so a span that "
-                  "ends without waiting would time the queueing; leave --lead-in out, or run the MXNet "
-                  "systems apart")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

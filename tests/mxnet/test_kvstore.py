@@ -9,7 +9,8 @@ batches (for 2 workers a + b is exact and commutative, as on the server) and app
 SGD update locally. Unwrapped dist_sync with server-side SGD gives exactly these parameters
 (checked below), so the reference is MXNet's own math without its races. The reference runs
 with MXNet's default bulking of the backward pass, the launched workers with bytescheduler
-mxnet-launch's bulks of one operator (``ENGINE_ENV``): equal parameters also show that setting
+mxnet-launch's bulks of one operator (``ENGINE_ENV``; the reference without any of
+``ENGINE_KEYS``): equal parameters also show that setting
 leaves the arithmetic alone.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bytescheduler.launcher import ENGINE_ENV, launch
+from bytescheduler.launcher import ENGINE_KEYS, launch
 from tests.mxnet.processes import Streamed, assert_job_stops
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -36,8 +37,6 @@ DEADLINE = 90.0
 TIMEOUT = 200
 # One thread per process: the workers and the reference then run the same kernels.
 ENV = {"OMP_NUM_THREADS": "1"}
-# The engine's bulking settings: the reference runs with MXNet's defaults.
-BULKING = ("MXNET_EXEC_BULK_EXEC_TRAIN", *ENGINE_ENV)
 
 
 def run_job(script, *args, servers=1, workers=2):
@@ -67,7 +66,7 @@ def assert_params_equal(prefix, reference):
 def reference(tmp_path_factory):
     """The reference parameters, not hybridized and hybridized, each computed once."""
     folder = tmp_path_factory.mktemp("reference")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_") and k not in BULKING}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_") and k not in ENGINE_KEYS}
     env.update(ENV)
     params = {}
     for hybrid in (False, True):

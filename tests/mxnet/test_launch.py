@@ -19,7 +19,7 @@ from typing import List
 
 import pytest
 
-from bytescheduler.launcher import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, Launcher, engine_hint, launch
+from bytescheduler.launcher import EXIT_DEADLINE, EXIT_INTERRUPTED, EXIT_TERMINATED, ENGINE_KEYS, Launcher, engine_hint, launch
 from tests.mxnet.processes import MARKER, Streamed, assert_job_stops, assert_nothing_left, marked_pids, pid_alive
 
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -77,7 +77,7 @@ def test_dist_sync_push_pull_sums(servers, marker):
     ({"MXNET_EXEC_BULK_EXEC_TRAIN": "0"}, {}, None),                        # no bulks at all: left alone
 ])
 def test_every_process_gets_the_backward_in_bulks_of_one_unless_set(outside, given, expected, monkeypatch):
-    for key in ("MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD", "MXNET_EXEC_BULK_EXEC_TRAIN"):
+    for key in ENGINE_KEYS:
         monkeypatch.delenv(key, raising=False)
     for key, value in outside.items():
         monkeypatch.setenv(key, value)
