@@ -14,7 +14,8 @@ thread safe); "waiter" threads learn completion through ``wait_to_read`` (``wait
 for a push) and tell the scheduler, each operation as soon as it finished (:class:`_Waiters`).
 They belong to :class:`KVBackend`, the scheduler's
 :class:`~bytescheduler.core.backend.Backend`. A "ready" thread (:class:`JobQueue`) hands a push
-to the scheduler only once its arrays are computed, so communication overlaps the backward pass.
+to the scheduler only once MXNet's engine told that its arrays are computed
+(:mod:`~bytescheduler.mxnet.engine`), so communication overlaps the backward pass.
 
 Order within a key: the next operation of a key is submitted to the scheduler only once the
 previous one completed. Two pushes of one worker in flight for one key break the server's count
@@ -49,13 +50,11 @@ from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationT
 from ..core.scheduler import Scheduler
 from ..core.task import Operation
 from ..core.tcp_channel import TcpOrderChannel, local_address
+from .engine import when_readable
 from .keys import KeyInfo, mx_args, rank0_json
 
 # Room for rank 0's settings (JSON) in the exchange of its ordering address.
 _SETTINGS_BYTES = 1024
-
-# How long the ready thread gathers a burst of pushes before choosing which to wait for first.
-_BURST_SECONDS = 0.001
 
 # What tells an issued call's completion: (array, True) to wait until writable (a push reads
 # it), (array, False) to wait until readable (a pull writes it).
@@ -304,7 +303,8 @@ class JobQueue:
         self._rank = rank
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._ready: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self._ready: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run_ready, name=f"bytescheduler-ready-r{rank}", daemon=True)
         self._thread.start()
 
@@ -362,7 +362,7 @@ class JobQueue:
                 self._fail(job, error)
                 return
         if job.values:
-            self._ready.put(job)
+            when_readable(job.values, lambda: self._computed(job))
         else:
             self._schedule(job)
 
@@ -379,34 +379,34 @@ class JobQueue:
         job.fail(error)
         job.task.future.set_exception(error)
 
+    def _computed(self, job: Job) -> None:
+        """The engine ran the job's read of its arrays (an engine thread): hand it over."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._ready.put(job)
+        if closed:
+            self._fail(job, CommunicationError("the ScheduledKVStore was closed"))
+
     def _run_ready(self) -> None:
-        """Hand pushes to the scheduler when their arrays are computed, least urgent first.
+        """Hand pushes to the scheduler as their arrays are computed, in that order.
 
         gluon's Trainer calls ``pushpull`` for every key right after ``backward()`` returns,
         long before MXNet's engine has computed the gradients. Scheduled at once, the first
         layers' keys (the most urgent, computed last) would go first and wait in the engine
         while nothing else moves, and no communication would overlap the backward pass. So a
-        push waits here until its arrays are computed. The backward pass computes the last
-        layers first, so the least urgent key of a burst of calls is waited for first.
+        push waits until MXNet's engine tells (:func:`~bytescheduler.mxnet.engine.when_readable`)
+        that its arrays are computed; this thread then hands it to the scheduler, after
+        ``wait_to_read`` (at once for a computed array) has raised MXNet's error for a failed
+        computation.
         """
-        pending: List[Job] = []
         while True:
-            arrived: List[Optional[Job]] = []
-            if not pending:  # idle: block for the first push, then gather the rest of its burst
-                arrived.append(self._ready.get())
-            try:
-                while arrived[-1:] != [None]:
-                    arrived.append(self._ready.get(timeout=_BURST_SECONDS) if not pending else
-                                   self._ready.get_nowait())
-            except queue.Empty:
-                pass
-            if arrived[-1:] == [None]:  # closed
-                for job in pending + arrived[:-1]:
-                    self._fail(job, CommunicationError("the ScheduledKVStore was closed"))
+            job = self._ready.get()
+            if job is None:
                 return
-            pending.extend(arrived)
-            pending.sort(key=lambda job: job.task.priority)
-            job = pending.pop()
+            if self._closed:
+                self._fail(job, CommunicationError("the ScheduledKVStore was closed"))
+                continue
             try:
                 for arr in job.values:
                     arr.wait_to_read()
@@ -418,6 +418,8 @@ class JobQueue:
     def close(self, timeout: float) -> bool:
         """Fail the pushes still waiting for their arrays and stop the ready thread; False when
         it did not stop within ``timeout`` s."""
-        self._ready.put(None)
+        with self._lock:
+            self._closed = True
+            self._ready.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
