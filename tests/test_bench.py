@@ -1,6 +1,7 @@
 """The benchmark's testbed and runner, for real: namespaces, shaping, reports, teardown."""
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -60,6 +61,9 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     assert "| ScheduledOptimizer |" in done.stdout and "vs DDP default" in done.stdout
     summary = json.loads((out / "results.json").read_text())
     assert summary["lead_in"] == 0 and "each from rest to rest" in (out / "results.md").read_text()
+    # Which machine: runs on two of ours differed 2x in compute alone.
+    assert f"Machine: {summary['machine']}." in (out / "results.md").read_text()
+    assert summary["machine"].endswith(f", {os.cpu_count()} CPUs"), summary["machine"]
     assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled"}
     assert summary["systems"]["ddp-torch-hook"]["baseline"] == "ddp"
     assert summary["systems"]["ddp-again"]["baseline"] == "ddp" and "A/A control" in done.stdout

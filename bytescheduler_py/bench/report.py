@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import platform
 import statistics
 from typing import Dict, List, Optional, Tuple
 
@@ -229,6 +230,25 @@ def cpu_table(summary: dict) -> List[str]:
             "| operations / pieces |", "|---|---|---|---|---|---|---|---|"] + rows + tail
 
 
+def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU model and count: runs on different machines differ by more than any schedule
+    (VGG-like's compute alone took 0.42 s per step on one machine of ours and 0.89 s on another).
+
+    >>> machine("/nonexistent").endswith(" CPUs")
+    True
+    """
+    model = platform.processor() or platform.machine() or "unknown CPU"
+    try:
+        with open(cpuinfo) as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
 def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str, command: str,
            left_out: Optional[Dict[str, str]] = None) -> str:
     """Write results.json, results.md and the charts into ``out_dir``; return the markdown.
@@ -238,13 +258,14 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
     summary = summarize(results, args.batch_size)
     summary.update({"command": command, "network": network, "model": args.model, "batch_size": args.batch_size,
                     "iterations_per_block": args.iters, "lead_in": args.lead_in, "rounds": args.rounds,
-                    "left_out": dict(left_out or {})})
+                    "left_out": dict(left_out or {}), "machine": machine()})
     lead_in = summary["lead_in"]
     start = (f", each in the steady state (after {lead_in} untimed iteration{'s' if lead_in > 1 else ''}; "
              "the last one's pending communication waited for after the timed span)" if lead_in
              else ", each from rest to rest")
     header = (f"Model {args.model}, batch {args.batch_size} per rank, {summary['world_size']} ranks, {network}; "
-              f"{args.rounds} alternating blocks of {args.iters} iterations per system{start}."
+              f"{args.rounds} alternating blocks of {args.iters} iterations per system{start}. "
+              f"Machine: {summary['machine']}."
               f"\n\nCommand: `{command}`")
     table = markdown(summary, header)
     with open(os.path.join(out_dir, "results.json"), "w") as handle:
