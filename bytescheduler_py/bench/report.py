@@ -231,8 +231,9 @@ def cpu_table(summary: dict) -> List[str]:
 
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU model and count: runs on different machines differ by more than any schedule
-    (VGG-like's compute alone took 0.42 s per step on one machine of ours and 0.89 s on another).
+    """The CPU model and count, so that runs on different machines are not compared as one:
+    VGG-like's compute alone took 0.42 s per step in one round and 0.89 s in another (a slow
+    hour of a shared machine shows in the compute-only row instead).
 
     >>> machine("/nonexistent").endswith(" CPUs")
     True
