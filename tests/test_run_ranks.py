@@ -19,8 +19,15 @@ def _root_and_echo(rank, world_size):
 
 
 def _crash_and_echo(rank, world_size, echo_after):
+    import torch.distributed as dist
+
+    # Rank 0 hosts the rendezvous store: dying before rank 1 finished joining the group made
+    # rank 1 fail inside init_process_group instead of echoing (a slow machine, 2026-11-29).
+    store = dist.distributed_c10d._get_default_store()
     if rank == 0:
+        store.wait(["rank 1 joined"])
         os._exit(7)  # dies in native code: no traceback reaches the queue
+    store.set("rank 1 joined", "1")
     time.sleep(echo_after)
     raise RuntimeError("an echo on rank 1")
 
