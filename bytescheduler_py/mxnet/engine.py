@@ -36,7 +36,7 @@ class _Context(ctypes.Structure):
 
 
 # The operation runs on the CPU whatever the arrays' device, as MXNet's own wait_to_read does
-# (an array on a GPU is readable once its writer's stream finished).
+# (untested with arrays on a GPU: this project has none).
 _CPU = _Context(1, 0)
 # mxnet::FnProperty::kCPUPrioritized: the engine's prioritized CPU worker pool.
 _CPU_PRIORITIZED = ctypes.c_int(3)
