@@ -20,6 +20,8 @@ Scenarios:
   on and short phases, so both the scheduled and Horovod's own path run, switching often.
 - ``two``: two scheduled optimizers in one process (e.g. a GAN), each equal to its baseline.
 - ``dies``: rank 1 exits at step 3; rank 0 reports what it saw (if it lives to say it).
+- ``stalls``: rank 1 stops training for 12 s on Horovod's own path; rank 0 reports the
+  timeout it raised.
 - ``bad``: unsupported ``hvd.DistributedOptimizer`` settings raise a clear ValueError, and
   wrapping an already scheduled optimizer again raises TypeError.
 - ``settings``: rank 1 alone sets bytescheduler's environment variables; both ranks run
@@ -36,6 +38,7 @@ import copy
 import json
 import os
 import sys
+import threading
 import time
 
 import horovod.torch as hvd
@@ -326,6 +329,43 @@ def scenario_dies() -> None:
     report(scenario="dies", raised=False, step=step)
 
 
+STALL_TIMEOUT = 3.0  # the scheduler's timeout in ``stalls``
+STALL_SECONDS = 12.0  # how long rank 1 stops training there
+
+
+def scenario_stalls() -> None:
+    """Rank 1 stops training for a while on Horovod's own path (its process and Horovod alive,
+    nothing submitted); rank 0 must raise the timeout after it, not hang in ``synchronize``."""
+    model, make_batch = fresh_model("cnn-small")
+    optimizer = bsc.ScheduledOptimizer(
+        model,
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                 named_parameters=model.named_parameters()),
+        1000, start_plain=True, timeout=STALL_TIMEOUT,
+    )
+    started = None
+    step = 0
+    try:
+        for step in range(6):
+            if step == 3:
+                if hvd.rank() == 1:
+                    time.sleep(STALL_SECONDS)
+                    report(scenario="stalls", raised=False, step=step)
+                    sys.stdout.flush()
+                    os._exit(0)  # the peer is gone for good; rank 0 reported by now
+                started = time.monotonic()
+            optimizer.zero_grad()
+            x, y = batch(make_batch, step)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    except BaseException as error:  # noqa: BLE001 - the test asserts on what was raised
+        report(scenario="stalls", raised=True, type=type(error).__name__, message=str(error)[:2000], step=step,
+               elapsed=None if started is None else time.monotonic() - started,
+               threads=sorted(t.name for t in threading.enumerate() if t.name.startswith("bytescheduler")))
+        sys.exit(3)
+    report(scenario="stalls", raised=False, step=step)
+
+
 def scenario_dies_enqueueing() -> None:
     """Rank 1 is SIGKILLed while rank 0's launching thread keeps handing pieces to Horovod,
     as the scheduler's dispatcher does: Horovod's background loop then dies and finalizes
@@ -559,6 +599,7 @@ SCENARIOS = {
     "switch": scenario_switch,
     "dies": scenario_dies,
     "dies_enqueueing": scenario_dies_enqueueing,
+    "stalls": scenario_stalls,
     "bad": scenario_bad,
     "settings": scenario_settings,
     "layout": scenario_layout,

@@ -308,6 +308,22 @@ def test_peer_death_rank0_raises_without_horovodrun_kill_all():
     _check_rank0_error(found[0])
 
 
+def test_a_peer_that_stops_training_on_horovods_own_path_is_a_timeout_not_a_hang():
+    """Horovod's synchronize would wait for it forever; our deadline holds while it waits."""
+    from tests.horovod_worker import STALL_SECONDS, STALL_TIMEOUT
+
+    codes, stdout, seconds = _launch_without_kill_all("stalls")
+    assert codes == [3, 0], f"exit codes {codes}\n{stdout[-4000:]}"  # 3: rank 0 caught the error
+    found = results(stdout)
+    rank0 = found[0]
+    assert rank0["raised"] and rank0["type"] == "CommunicationTimeout", rank0
+    assert "an all-reduce of Horovod's own path did not finish within 3.0 s" in rank0["message"], rank0
+    assert "BYTESCHEDULER_TIMEOUT" in rank0["message"] and rank0["step"] == 3, rank0
+    assert STALL_TIMEOUT <= rank0["elapsed"] < STALL_SECONDS - 2, rank0  # the deadline, not the peer's return
+    assert "bytescheduler-hvd-sync-r0" in rank0["threads"], rank0  # the wait ran on its thread
+    assert found[1] == dict(found[1], raised=False, step=3), found
+
+
 @pytest.mark.parametrize("dies_after", [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
 def test_peer_killed_while_pieces_are_enqueued_is_an_error_not_a_hang(dies_after):
     """Horovod's background loop, dying, finalizes the queued operations under its process-set

@@ -46,6 +46,9 @@ class FrameworkHooks(Protocol):
         """Wait (with a deadline) for what they launched and leave the averages as gradients
         (``launched_only``: and do nothing if they launched nothing)."""
 
+    def close(self) -> None:
+        """Stop what :meth:`finish` started (at the engine's close, after the last finish)."""
+
 
 @dataclass
 class PlainSetup:
@@ -167,6 +170,7 @@ class HookRoute:
             self._hooks.finish(launched_only=True)
         finally:
             self._hooks.leave()
+            self._hooks.close()
 
     def enter(self) -> None:
         self._hooks.enter()

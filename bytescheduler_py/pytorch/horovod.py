@@ -160,10 +160,17 @@ def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, wh
     return result
 
 
+def _timed_out(what: str, timeout: float, earlier: bool = False) -> CommunicationTimeout:
+    """The error of a wait past its deadline (``earlier``: an earlier wait's, still not over)."""
+    late = (f"is still waiting for an earlier one that did not finish within {timeout} s" if earlier
+            else f"did not finish within {timeout} s")
+    return CommunicationTimeout(f"rank {hvd.rank()}: {what} {late}; a peer may have died or stopped training "
+                                "(set BYTESCHEDULER_TIMEOUT to change the limit)")
+
+
 def _poll_until_done(handle: int, cancel: Optional[threading.Event], timeout: float, what: str,
-                     spin_seconds: float, consume: bool = True) -> Any:
-    """The polling of :func:`_wait_for` (which see); ``consume=False`` leaves the finished
-    handle to Horovod's ``synchronize`` (and returns True)."""
+                     spin_seconds: float) -> Any:
+    """The polling of :func:`_wait_for` (which see)."""
     start = time.monotonic()
     spin_until, deadline = start + spin_seconds, start + timeout
     pause = 1e-5
@@ -172,17 +179,12 @@ def _poll_until_done(handle: int, cancel: Optional[threading.Event], timeout: fl
             return False
         now = time.monotonic()
         if now > deadline:
-            raise CommunicationTimeout(
-                f"rank {hvd.rank()}: {what} did not finish within {timeout} s; a peer may have died or "
-                "stopped training (set BYTESCHEDULER_TIMEOUT to change the limit)"
-            )
+            raise _timed_out(what, timeout)
         if now < spin_until:
             os.sched_yield()
             continue
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-    if not consume:
-        return True
     result = hvd.synchronize(handle)
     return True if result is None else result
 
@@ -270,6 +272,75 @@ class HorovodReducer:
                       spin_seconds=math.inf)
 
 
+class _Call:
+    """One call handed to :class:`_Synchronizer`: set ``done`` once it returned or raised."""
+
+    __slots__ = ("fn", "done", "error")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+
+class _Synchronizer:
+    """Runs Horovod's ``synchronize`` on a thread of its own while the training thread waits for
+    it with a deadline.
+
+    ``synchronize`` waits in C++ (polling between yields, the GIL released) and has no
+    deadline. The training thread used to poll the same handles from Python with a deadline
+    first, which read about 3% slower than ``synchronize`` in some runs (docs/benchmarks.md,
+    twenty-fifth round: within the spread of the A/A controls, but a cost with nothing to gain).
+    Here the training thread sleeps on an event while this thread waits in Horovod's own loop,
+    which keeps the core busy (no idle wake-up); the hand-over costs two thread switches per
+    step. When the deadline passes, the training thread raises; this thread stays in
+    ``synchronize`` (a stalled peer may still come back) and every later call raises at once
+    until it returned.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._requests: "queue.SimpleQueue[Optional[_Call]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._last: Optional[_Call] = None
+
+    def _idle(self) -> bool:
+        return self._last is None or self._last.done.is_set()
+
+    def call(self, fn: Any, timeout: float, what: str) -> None:
+        """``fn()`` on this thread; its exception raised here; CommunicationTimeout after ``timeout`` s."""
+        if not self._idle():
+            raise _timed_out(what, timeout, earlier=True)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._last = request = _Call(fn)
+        self._requests.put(request)
+        if not request.done.wait(timeout):
+            raise _timed_out(what, timeout)
+        if request.error is not None:
+            raise request.error
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            try:
+                request.fn()
+            except BaseException as error:  # noqa: BLE001 - raised on the training thread
+                request.error = error
+            request.done.set()
+
+    def close(self) -> None:
+        """Stop the thread, unless it is still in a call that timed out (a daemon, it then ends
+        with the process)."""
+        if self._thread is not None and self._idle():
+            self._requests.put(None)
+            self._thread.join()
+            self._thread = None
+
+
 class HorovodHooks:
     """The plain path run by the user's ``hvd.DistributedOptimizer`` itself: its own gradient
     hooks launch the all-reduces (turned on by :meth:`enter`, off again by :meth:`leave`, through
@@ -280,19 +351,19 @@ class HorovodHooks:
     than Horovod on cnn-small at 1 Gbit/s, where Horovod keeps the cores 100% busy; this path
     costs 1-2% (docs/benchmarks.md, eighteenth round).
 
-    One thing is ours: before ``synchronize`` (which would wait for a stalled peer forever), each
-    all-reduce is waited for with the deadline, polling as Horovod does. A parameter whose hook
-    did not launch one (no gradient this step on this rank) is launched first, as
-    ``synchronize`` would launch it (Horovod's own ``_allreduce_grad_async``, which all-reduces
-    zeros for a missing gradient), so that it too is waited for with the deadline; then
-    ``synchronize`` finds every all-reduce done and only puts the averages in place. Private
-    fields read: ``_handles``, ``_requires_update`` and ``_allreduce_grad_async`` (see :func:`_unwrap`).
+    One thing is ours: ``synchronize`` (which would wait for a stalled peer forever) runs on a
+    thread of its own (:class:`_Synchronizer`) while the training thread waits for it with the
+    deadline. It launches what a hook did not (a parameter without a gradient this step on this
+    rank: Horovod all-reduces zeros for it), waits for every all-reduce and puts the averages in
+    place, all as ``hvd.DistributedOptimizer.step`` would. Private fields read: ``_handles``
+    (see :func:`_unwrap`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, passes: int, timeout: float) -> None:
         self._optimizer = optimizer  # the hvd.DistributedOptimizer object (its class's methods)
         self._passes = passes
         self._timeout = timeout
+        self._synchronizer = _Synchronizer(f"bytescheduler-hvd-sync-r{hvd.rank()}")
 
     def enter(self) -> None:
         self._optimizer.set_backward_passes_per_step(self._passes)
@@ -303,17 +374,14 @@ class HorovodHooks:
     def finish(self, launched_only: bool = False) -> None:
         optimizer = self._optimizer
         try:
-            handles = optimizer._handles
-            if launched_only and not any(handle is not None for handle, _ in handles.values()):
+            if launched_only and not any(handle is not None for handle, _ in optimizer._handles.values()):
                 return
-            for param in [p for p in optimizer._requires_update if handles.get(p, (None,))[0] is None]:
-                handles[param] = optimizer._allreduce_grad_async(param)  # what synchronize would launch
-            for handle, _ in list(handles.values()):
-                _poll_until_done(handle, None, self._timeout, "an all-reduce of Horovod's own path",
-                                 math.inf, consume=False)
-            optimizer.synchronize()
+            self._synchronizer.call(optimizer.synchronize, self._timeout, "an all-reduce of Horovod's own path")
         except Exception as error:  # noqa: BLE001 - a failed collective: a peer died or the network failed
             raise as_library_error(error, hvd.rank()) from error
+
+    def close(self) -> None:
+        self._synchronizer.close()
 
 
 def _plain_setup(prefix: str, timeout: float, start_plain: bool, hooks: Optional[HorovodHooks] = None) -> PlainSetup:
