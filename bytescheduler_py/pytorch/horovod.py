@@ -289,11 +289,11 @@ class _Synchronizer:
 
     ``synchronize`` waits in C++ (polling between yields, the GIL released) and has no
     deadline. The training thread used to poll the same handles from Python with a deadline
-    first, which read about 3% slower than ``synchronize`` in some runs (docs/benchmarks.md,
-    twenty-fifth round: within the spread of the A/A controls, but a cost with nothing to gain).
-    Here the training thread sleeps on an event while this thread waits in Horovod's own loop,
-    which keeps the core busy (no idle wake-up); the hand-over costs two thread switches per
-    step. When the deadline passes, the training thread raises; this thread stays in
+    first; measured with each process pinned, that tied with ``synchronize`` (the 3% it once
+    read was a benchmark script's unpinned Horovod thread: docs/benchmarks.md, twenty-fifth
+    round), but this way the wait is Horovod's own loop by construction. The training thread
+    sleeps on an event while this thread waits, which keeps the core busy (no idle wake-up);
+    the hand-over costs two thread switches per step. When the deadline passes, the training thread raises; this thread stays in
     ``synchronize`` (a stalled peer may still come back) and every later call raises at once
     until it returned.
     """
