@@ -8,9 +8,9 @@ process (their all-reduces named apart) and run in turns, blocks of ``--iters`` 
 rank pinned to CPU ``rank`` with one compute thread, as in ``bytescheduler bench``.
 ScheduledOptimizer starts on Horovod's own path (``start_plain``) and its first re-trial comes
 after far more steps than are run, so every step compared is on that path: what the mode
-switch's plain mode costs over Horovod itself. Rank 0 prints the median
-step of each system and the ratios; ``--profile N`` then prints a cProfile of N more steps of
-the scheduled one (the training thread's Python).
+switch's plain mode costs over Horovod itself. Rank 0 prints the median step of each system
+and the ratios; ``--profile N`` then prints a cProfile of N more steps of the scheduled one
+(the training thread's Python).
 """
 
 import argparse

@@ -27,7 +27,9 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -272,17 +274,6 @@ class HorovodReducer:
                       spin_seconds=math.inf)
 
 
-class _Call:
-    """One call handed to :class:`_Synchronizer`: set ``done`` once it returned or raised."""
-
-    __slots__ = ("fn", "done", "error")
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-
-
 class _Synchronizer:
     """Runs Horovod's ``synchronize`` on a thread of its own while the training thread waits for
     it with a deadline.
@@ -292,45 +283,45 @@ class _Synchronizer:
     first; measured with each process pinned, that tied with ``synchronize`` (the 3% it once
     read was a benchmark script's unpinned Horovod thread: docs/benchmarks.md, twenty-fifth
     round), but this way the wait is Horovod's own loop by construction. The training thread
-    sleeps on an event while this thread waits, which keeps the core busy (no idle wake-up);
-    the hand-over costs two thread switches per step. When the deadline passes, the training thread raises; this thread stays in
-    ``synchronize`` (a stalled peer may still come back) and every later call raises at once
-    until it returned.
+    sleeps on the call's future while this thread waits, which keeps the core busy (no idle
+    wake-up); the hand-over costs two thread switches per step. When the deadline passes, the
+    training thread raises; this thread stays in ``synchronize`` (a stalled peer may still come
+    back) and every later call raises at once until it returned.
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._requests: "queue.SimpleQueue[Optional[_Call]]" = queue.SimpleQueue()
+        self._requests: "queue.SimpleQueue[Optional[Tuple[Callable[[], Any], Future]]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self._last: Optional[_Call] = None
+        self._last: Optional[Future] = None  # the last call's, each call its own
 
     def _idle(self) -> bool:
-        return self._last is None or self._last.done.is_set()
+        return self._last is None or self._last.done()
 
-    def call(self, fn: Any, timeout: float, what: str) -> None:
+    def call(self, fn: Callable[[], Any], timeout: float, what: str) -> None:
         """``fn()`` on this thread; its exception raised here; CommunicationTimeout after ``timeout`` s."""
         if not self._idle():
             raise _timed_out(what, timeout, earlier=True)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        self._last = request = _Call(fn)
-        self._requests.put(request)
-        if not request.done.wait(timeout):
-            raise _timed_out(what, timeout)
-        if request.error is not None:
-            raise request.error
+        self._last = future = Future()
+        self._requests.put((fn, future))
+        try:
+            future.result(timeout)
+        except FutureTimeout:
+            raise _timed_out(what, timeout) from None
 
     def _run(self) -> None:
         while True:
-            request = self._requests.get()
-            if request is None:
+            item = self._requests.get()
+            if item is None:
                 return
+            fn, future = item
             try:
-                request.fn()
+                future.set_result(fn())
             except BaseException as error:  # noqa: BLE001 - raised on the training thread
-                request.error = error
-            request.done.set()
+                future.set_exception(error)
 
     def close(self) -> None:
         """Stop the thread, unless it is still in a call that timed out (a daemon, it then ends
