@@ -89,8 +89,10 @@ class ModeChooser:
             it, :attr:`retrial` steps, then as many of the held path again: the re-trial is
             compared with the held path's steps just before and just after it, so a machine
             that slows down or speeds up meanwhile weighs on both sides; the held path stays
-            unless the re-trial's is faster beyond the noise); doubled each time the re-trial
-            confirms the choice, up to ``max_hold``. Every hold (also ``verify_hold`` and
+            unless the re-trial's is faster beyond the noise, except a schedule that a
+            re-trial switched to: at the next re-trial it must lead again, or a tie goes to
+            the plain path); doubled each time the re-trial confirms the choice, up to
+            ``max_hold``. Every hold (also ``verify_hold`` and
             ``max_hold``) is given for re-trials of ``min_retrial`` steps: where the warm-up
             makes trials, and so re-trials, longer (fast steps: ``trial_seconds`` takes more
             of them), the holds grow in proportion, so a re-trial of the slower path stays as
@@ -156,6 +158,7 @@ class ModeChooser:
         self.clear_hold = clear_hold
         self.margin, self.clear, self.decisive = margin, clear, decisive
         self._verifying = False  # the hold now running is a first choice's short one
+        self._tentative = False  # the schedule is held because one re-trial switched to it: it must lead again
         self.min_clear_samples = min_clear_samples
         self.min_retrial = min_retrial
         self.mode = SCHEDULED
@@ -270,15 +273,18 @@ class ModeChooser:
         chosen = SCHEDULED if code == CHOOSE_SCHEDULED else PLAIN
         self.choices += 1
         hold = None
+        tentative = False
         if self._phase == _BACK:
             confirmed = chosen == self.mode  # back on the held mode after the re-trial
             grown = self.first_hold if self._verifying else min(self._hold * 2, self.max_hold)
             self._hold = grown if confirmed else self.first_hold
+            tentative = not confirmed and chosen == SCHEDULED
         elif extra == CLEAR:
             self._hold = min(self.first_hold * self.clear_hold, self.max_hold)
         else:  # a first choice from trials, not decisive: a second look soon
             hold = self.verify_hold
         self._verifying = hold is not None and hold < self.first_hold
+        self._tentative = tentative
         self._phases = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
         self._held, self._retried = [], []
@@ -324,8 +330,13 @@ class ModeChooser:
                 # A re-trial looks for a change: the held path, chosen on evidence, stays unless
                 # the other is faster beyond the noise (a tie used to go to the plain path, and a
                 # 14% faster schedule, its pipelined steps 0.9-1.4 s, lost a re-trial to DDP's
-                # steady 1.32 s and the plain path ran for 200 steps, 2026-11-26).
-                winner = self.mode
+                # steady 1.32 s and the plain path ran for 200 steps, 2026-11-26). A schedule
+                # held only since one re-trial of a few steps switched to it is not such a
+                # choice: it must lead again, or the plain path runs (with the machine's slow
+                # steps coming in runs, an eight-step re-trial can catch one on the held side;
+                # the schedule then stayed for good, 5% slower in 3-7% of simulated trainings,
+                # twenty-sixth round).
+                winner = PLAIN if self._tentative and self.mode == SCHEDULED else self.mode
             self._note("re-trial", samples, winner, told_apart, False)
             return _CHOICE[winner]
         samples = {mode: [t for phase in self._phases[mode] for t in phase] for mode in MODES}  # pooled

@@ -24,6 +24,8 @@
 * :mod:`~bytescheduler.sim.planner`: ``bytescheduler plan`` (the runtime reads its plans:
   :mod:`bytescheduler.core.plan`).
 * :mod:`~bytescheduler.sim.sweep`: ``bytescheduler sweep``, with a plot.
+* :mod:`~bytescheduler.sim.choosing`: what the mode switch's trials and re-trials cost over a
+  training of N steps (the real chooser fed synthetic step times).
 
 Imports no framework except where a profile is measured (torch) or a backend probed.
 """
