@@ -336,7 +336,7 @@ class ModeChooser:
                 # steps coming in runs, an eight-step re-trial can catch one on the held side;
                 # the schedule then stayed for good, 5% slower in 3-7% of simulated trainings,
                 # twenty-sixth round).
-                winner = PLAIN if self._tentative and self.mode == SCHEDULED else self.mode
+                winner = PLAIN if self._tentative else self.mode  # tentative: the schedule is held
             self._note("re-trial", samples, winner, told_apart, False)
             return _CHOICE[winner]
         samples = {mode: [t for phase in self._phases[mode] for t in phase] for mode in MODES}  # pooled

@@ -45,6 +45,7 @@ import mxnet as mx
 
 from ..core.agreement import FROM_RANK_0
 from ..core.backend import Done
+from ..core.call_thread import CallThread
 from ..core.config import SchedulerConfig
 from ..core.errors import ByteSchedulerError, CommunicationError, CommunicationTimeout, ErrorLatch, reraise
 from ..core.scheduler import Scheduler
@@ -73,27 +74,12 @@ def wait_to_write(arr: Any) -> None:
     mx.base.check_call(mx.base._LIB.MXNDArrayWaitToWrite(arr.handle))
 
 
-class _KVThread:
+class _KVThread(CallThread):
     """Runs callables one at a time on a single thread (every call on the inner store)."""
 
     def __init__(self, name: str) -> None:
-        self._queue: "queue.Queue[Optional[Tuple[Callable[[], Any], Future]]]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._closed = False
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        if threading.current_thread() is self._thread:  # re-entrant: run inline
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001
-                future.set_exception(exc)
-            return future
-        if self._closed:
-            raise ByteSchedulerError("the ScheduledKVStore was closed")
-        self._queue.put((fn, future))
-        return future
+        super().__init__(name, "the ScheduledKVStore was closed")
+        self.start()
 
     def call(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
         future = self.submit(fn)
@@ -103,26 +89,6 @@ class _KVThread:
             raise CommunicationTimeout(
                 f"{what} did not finish within {timeout} s on the kvstore thread; a peer may have "
                 "died (set timeout= or BYTESCHEDULER_TIMEOUT to change the limit)") from None
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - reported through the future
-                future.set_exception(exc)
-
-    def close(self, timeout: float) -> bool:
-        if not self._closed:
-            self._closed = True
-            self._queue.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
 
 class _Waiters:

@@ -37,6 +37,7 @@ import torch
 from ..core import Scheduler, SchedulerConfig
 from ..core.agreement import attempt, settle
 from ..core.backend import Done
+from ..core.call_thread import CallThread
 from ..core.config import parse_bool
 from ..core.errors import CommunicationTimeout, as_library_error
 from ..core.modes import STOP
@@ -291,8 +292,7 @@ class _Synchronizer:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._requests: "queue.SimpleQueue[Optional[Tuple[Callable[[], Any], Future]]]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
+        self._runner: Optional[CallThread] = None  # started by the first call, stopped by close()
         self._last: Optional[Future] = None  # the last call's, each call its own
 
     def _idle(self) -> bool:
@@ -302,34 +302,20 @@ class _Synchronizer:
         """``fn()`` on this thread; its exception raised here; CommunicationTimeout after ``timeout`` s."""
         if not self._idle():
             raise _timed_out(what, timeout, earlier=True)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        self._last = future = Future()
-        self._requests.put((fn, future))
+        if self._runner is None:
+            self._runner = CallThread(self._name)
+        self._last = future = self._runner.submit(fn)
         try:
             future.result(timeout)
         except FutureTimeout:
             raise _timed_out(what, timeout) from None
 
-    def _run(self) -> None:
-        while True:
-            item = self._requests.get()
-            if item is None:
-                return
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except BaseException as error:  # noqa: BLE001 - raised on the training thread
-                future.set_exception(error)
-
     def close(self) -> None:
         """Stop the thread, unless it is still in a call that timed out (a daemon, it then ends
         with the process)."""
-        if self._thread is not None and self._idle():
-            self._requests.put(None)
-            self._thread.join()
-            self._thread = None
+        if self._runner is not None and self._idle():
+            self._runner.close()
+            self._runner = None
 
 
 class HorovodHooks:
