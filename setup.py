@@ -28,14 +28,16 @@ setup(
     packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch", "bytescheduler.bench", "bytescheduler.mxnet",
               "bytescheduler.sim"],
     package_data={"bytescheduler": ["py.typed"]},
-    install_requires=[],
+    # torch.distributed's and Horovod's object collectives, which set the schedulers up, read
+    # through numpy, and the MXNet adapter imports it; MXNet's own numpy pin satisfies this.
+    install_requires=["numpy"],
     extras_require={
         "torch": ["torch>=2.1"],
         "bench": ["torch>=2.1", "matplotlib"],
         # Horovod 0.28.1 ships only as an sdist that needs build settings an extra cannot carry:
         # `make horovod` (scripts/install_horovod.sh) builds and installs it, then this is met.
         "horovod": ["torch>=2.1", "horovod>=0.28.1"],
-        "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "numpy", "matplotlib"],
+        "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "matplotlib"],
     },
     entry_points={"console_scripts": ["bytescheduler=bytescheduler.cli:main"]},
     classifiers=[

@@ -50,7 +50,7 @@ STAMP="$VENV/.bytescheduler-setup-py.sha256"
 setup_hash() { sha256sum setup.py | cut -d' ' -f1; }
 editable_install() {
     log "installing bytescheduler (editable, no torch)"
-    # --no-deps: the package has no install requirements, and its test extra would pull in torch.
+    # --no-deps: its one requirement, numpy, is installed at MXNet's pin; its test extra would pull in torch.
     "$PY" -m pip install --quiet --no-deps -e .
     setup_hash >"$STAMP"
 }

@@ -24,6 +24,12 @@ Scenarios:
   timeout it raised.
 - ``bad``: unsupported ``hvd.DistributedOptimizer`` settings raise a clear ValueError, and
   wrapping an already scheduled optimizer again raises TypeError.
+- ``surface``: ``hvd.DistributedOptimizer``'s own methods on the scheduled optimizer, each
+  beside Horovod's optimizer alone: the clipping idiom (``synchronize()``,
+  ``clip_grad_norm_``, ``step()`` inside ``skip_synchronize()``), the warning of a
+  ``step()`` right after ``synchronize()``, ``zero_grad()`` refused between backward and
+  step, ``load_state_dict()`` between the two, ``op=hvd.Sum`` and
+  ``gradient_predivide_factor``, and what is read or set rather than trained.
 - ``settings``: rank 1 alone sets bytescheduler's environment variables; both ranks run
   with rank 0's shared settings (rank 1 warns) and the numbers stay Horovod's.
 - ``many``: run on 3 to 8 ranks; each step's averaged gradients against Horovod's from the
@@ -422,9 +428,8 @@ def scenario_bad() -> None:
     # (Horovod's options, ours)
     cases = {
         "compression": (dict(compression=hvd.Compression.fp16), {}),
-        "op": (dict(op=hvd.Sum), {}),
+        "op": (dict(op=hvd.Min), {}),
         "adasum": (dict(op=hvd.Adasum), {}),
-        "predivide": (dict(gradient_predivide_factor=2.0), {}),
         "groups": (dict(groups=2), {}),
         "merge": ({}, dict(merge=True)),
     }
@@ -543,7 +548,8 @@ def _lockstep(options) -> dict:
         optimizer.synchronize()
         grads = [p.grad.clone() for p in ours.parameters()]
         time.sleep(jitter.uniform(0.0, 0.02))
-        optimizer.step()
+        with optimizer.skip_synchronize():
+            optimizer.step()
         baseline.zero_grad()
         F.cross_entropy(theirs(x), y).backward()
         baseline.synchronize()
@@ -588,6 +594,212 @@ def scenario_layout() -> None:
     report(scenario="layout", messages=messages)
 
 
+# ------------------------------------------------------------------ Horovod's optimizer surface
+
+MAX_NORM = 0.1  # below the gradients' global norm, so that clipping scales them
+
+
+class _Branchy(torch.nn.Module):
+    """A body and a head, with a branch between them that a forward may leave out."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(32, 256)
+        self.branch = torch.nn.Linear(256, 256)
+        self.head = torch.nn.Linear(256, 10)
+
+    def forward(self, x, use_branch=True):
+        h = torch.tanh(self.body(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+def _branchy():
+    torch.manual_seed(1234)
+
+    def make_batch(size, generator):
+        return torch.randn(size, 32, generator=generator), torch.randint(0, 10, (size,), generator=generator)
+
+    return _Branchy(), make_batch
+
+
+def _side_by_side(body, name="cnn-small", kind="sgd", passes=1, steps=12, hvd_options=None, **ours):
+    """``body(model, optimizer, step, make_batch)`` for ``steps`` steps on hvd.DistributedOptimizer
+    alone, then on a ScheduledOptimizer over another (same model, same data); each under its own
+    record of warnings (Python's default filter: one per place). Returns what differs."""
+    import warnings
+
+    built = [(_branchy if name == "branchy" else lambda: fresh_model(name))() for _ in range(2)]
+    make_batch = built[0][1]
+    optimizers = [hvd.DistributedOptimizer(make_optimizer(kind, model), named_parameters=model.named_parameters(),
+                                           backward_passes_per_step=passes, **(hvd_options or {}))
+                  for model, _ in built]
+    hvd.broadcast_parameters(built[0][0].state_dict(), root_rank=0)
+    optimizers[1] = bsc.ScheduledOptimizer(built[1][0], optimizers[1], partition_bytes=PARTITION, timeout=60, **ours)
+    outcomes = []
+    for (model, _), optimizer in zip(built, optimizers):
+        schedule = make_schedule(kind, optimizer)
+        values = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for step in range(steps):
+                values.append(body(model, optimizer, step, make_batch))
+                if schedule is not None:
+                    schedule.step()
+        outcomes.append((values, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]))
+    scheduled = optimizers[1]
+    scheduled.synchronize()
+    switch = scheduled._bytescheduler._switch
+    result = {
+        "max_abs_diff": max_difference(built[0][0], built[1][0]),
+        "values_equal": outcomes[0][0] == outcomes[1][0],
+        "values": outcomes[1][0],
+        "warnings": [outcomes[0][1], outcomes[1][1]],
+        "checksum": checksum(built[1][0]),
+        "operations": scheduled._bytescheduler.scheduler.stats["operations"],
+        "modes": None if switch is None else "".join(mode[0] for mode in switch.chooser.history),
+    }
+    scheduled.close()
+    return result
+
+
+def _backward(model, optimizer, step, make_batch, passes=1, use_branch=None):
+    loss = None
+    for micro in range(passes):
+        x, y = batch(make_batch, step, micro)
+        output = model(x) if use_branch is None else model(x, use_branch=use_branch)
+        loss = F.cross_entropy(output, y)
+        loss.backward()
+    return loss.item()
+
+
+def _clipped(passes=1, unused_on=None):
+    """Horovod's clipping idiom: synchronize(), clip_grad_norm_, step() inside skip_synchronize()
+    (``unused_on``: the rank whose forward leaves the branch out, so that synchronize() must
+    average zeros for it there)."""
+    use_branch = None if unused_on is None else hvd.rank() != unused_on
+
+    def body(model, optimizer, step, make_batch):
+        optimizer.zero_grad()
+        loss = _backward(model, optimizer, step, make_batch, passes, use_branch)
+        optimizer.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        return [loss, norm.item()]
+    return body
+
+
+def _step_after_synchronize(model, optimizer, step, make_batch):
+    """synchronize() then step() without skip_synchronize(): Horovod warns (once, by place)."""
+    optimizer.zero_grad()
+    loss = _backward(model, optimizer, step, make_batch)
+    optimizer.synchronize()
+    optimizer.step()
+    return loss
+
+
+def _zero_grad_too_early(passes):
+    """zero_grad() after a backward, before step()/synchronize(): refused; after synchronize(): allowed
+    (a step skipped, as a loss scaler skips one)."""
+    def body(model, optimizer, step, make_batch):
+        raised = []
+        optimizer.zero_grad()
+        loss = _backward(model, optimizer, step, make_batch, passes=1)
+        try:
+            optimizer.zero_grad()
+        except AssertionError as error:
+            raised.append(type(error).__name__)
+        for micro in range(1, passes):
+            _backward(model, optimizer, step, make_batch, passes=1)
+        if step % 3 == 1:  # this step's gradients dropped, no step()
+            optimizer.synchronize()
+            optimizer.zero_grad()
+            return [loss, raised, "dropped"]
+        optimizer.step()
+        return [loss, raised]
+    return body
+
+
+def _checkpoint_between(model, optimizer, step, make_batch):
+    """load_state_dict() between synchronize() and step(): it clears Horovod's flag (no warning)."""
+    optimizer.zero_grad()
+    loss = _backward(model, optimizer, step, make_batch)
+    optimizer.synchronize()
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    optimizer.step()
+    return loss
+
+
+def _plain(model, optimizer, step, make_batch):
+    optimizer.zero_grad()
+    loss = _backward(model, optimizer, step, make_batch)
+    optimizer.step()
+    return loss
+
+
+def _attributes(optimizer) -> dict:
+    names = ("op", "gradient_predivide_factor", "sparse_as_dense", "process_set", "backward_passes_per_step")
+    return {name: repr(getattr(optimizer, name)) for name in names}
+
+
+def scenario_surface() -> None:
+    from bytescheduler.core import modes
+
+    runs = {
+        "clip": _side_by_side(_clipped(), adaptive=False),
+        "clip-adamw-accumulate": _side_by_side(_clipped(passes=2), kind="adamw", passes=2, adaptive=False),
+        "clip-gpt2": _side_by_side(_clipped(), name="gpt2-small", steps=6, adaptive=False),
+        "warn": _side_by_side(_step_after_synchronize, steps=4, adaptive=False),
+        "zero-grad": _side_by_side(_zero_grad_too_early(1), steps=6, adaptive=False),
+        "zero-grad-accumulate": _side_by_side(_zero_grad_too_early(2), passes=2, steps=6, adaptive=False),
+        "checkpoint": _side_by_side(_checkpoint_between, steps=4, adaptive=False),
+        "sum": _side_by_side(_plain, hvd_options=dict(op=hvd.Sum), adaptive=False),
+        "predivide": _side_by_side(_plain, kind="adamw", hvd_options=dict(gradient_predivide_factor=3.0),
+                                   adaptive=False),
+        "clip-unused-on-rank-1": _side_by_side(_clipped(unused_on=1), name="branchy", steps=6, adaptive=False),
+        "clip-unused-accumulate": _side_by_side(_clipped(passes=2, unused_on=1), name="branchy", passes=2, steps=6,
+                                                adaptive=False),
+    }
+    # The same with the mode switch on short phases: Horovod's own path runs too.
+    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1,
+                                 min_retrial=2)
+    runs["clip-switch"] = _side_by_side(_clipped(), steps=30, adaptive=True)
+    runs["predivide-switch"] = _side_by_side(_plain, steps=30, hvd_options=dict(gradient_predivide_factor=3.0),
+                                             adaptive=True)
+    # What is read and set rather than trained.
+    model, _ = fresh_model("tiny")
+    baseline = hvd.DistributedOptimizer(make_optimizer("sgd", model), named_parameters=model.named_parameters(),
+                                        backward_passes_per_step=2, gradient_predivide_factor=2.0)
+    ours_model, _ = fresh_model("tiny")
+    ours = bsc.ScheduledOptimizer(ours_model, hvd.DistributedOptimizer(
+        make_optimizer("sgd", ours_model), named_parameters=ours_model.named_parameters(),
+        backward_passes_per_step=2, gradient_predivide_factor=2.0), adaptive=False)
+    errors = {}
+    for passes in (2, 3):
+        try:
+            ours.set_backward_passes_per_step(passes)
+            errors[passes] = None
+        except ValueError as error:
+            errors[passes] = str(error)
+    surface = {
+        "attributes": [_attributes(baseline), _attributes(ours)],
+        "duplicates": [sorted(o.find_duplicates(["a", "b", "a", "c", "b"])) for o in (baseline, ours)],
+        "set_passes": errors,
+        "has": sorted(n for n in ("synchronize", "skip_synchronize", "set_backward_passes_per_step", "find_duplicates",
+                                  "zero_grad", "load_state_dict") if callable(getattr(ours, n, None))),
+    }
+    ours.close()
+    override_model, _ = fresh_model("tiny")
+    override = bsc.ScheduledOptimizer(override_model, hvd.DistributedOptimizer(
+        make_optimizer("sgd", override_model), named_parameters=override_model.named_parameters()),
+        backward_passes_per_step=3, adaptive=False)
+    surface["override_passes"] = override.backward_passes_per_step
+    override.close()
+    report(scenario="surface", runs=runs, surface=surface)
+
+
 SCENARIOS = {
     "equal": scenario_equal,
     "accumulate": scenario_accumulate,
@@ -604,6 +816,7 @@ SCENARIOS = {
     "settings": scenario_settings,
     "layout": scenario_layout,
     "many": scenario_many,
+    "surface": scenario_surface,
 }
 
 

@@ -142,6 +142,10 @@ def _adapter_cases(rank, world_size) -> List[Tuple[str, str, str, str]]:
         rows.append(("ScheduledOptimizer", what, *_outcome(action)))
 
     row("the model wrapped in DDP", lambda: bsp.ScheduledOptimizer(DDP(nn.Linear(4, 2)), sgd()))
+    inner = nn.Linear(4, 2)
+    wrapper = DDP(inner)  # noqa: F841 - alive, as Accelerate's prepare() leaves it
+    row("the module inside a DDP wrapper (as Accelerate's `prepare` leaves it)",
+        lambda: bsp.ScheduledOptimizer(inner, sgd(inner.parameters())))
     row("`optimizer=\"sgd\"` (not an optimizer)", lambda: bsp.ScheduledOptimizer(model, "sgd"))
     row("`model=\"net\"` (not a module)", lambda: bsp.ScheduledOptimizer("net", sgd()))
     row("an optimizer over another model's parameters", lambda: bsp.ScheduledOptimizer(model, sgd(nn.Linear(3, 3).parameters())))

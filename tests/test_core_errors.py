@@ -103,3 +103,68 @@ def test_a_raising_callback_does_not_strand_the_other_tasks_of_its_operation():
     finally:
         scheduler.stop(wait=False)
         backend.close()
+
+
+class _RaisingLaunch:
+    """A backend whose launch raises ``error``."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def launch(self, op, done):
+        raise self.error
+
+
+def _scheduler_error(backend) -> BaseException:
+    scheduler = Scheduler(backend, partition_bytes=100, credit_bytes=100)
+    try:
+        future = scheduler.submit(make_task(0, 10))
+        with pytest.raises(ByteSchedulerError) as raised:
+            future.result(timeout=WAIT)
+        return raised.value
+    finally:
+        scheduler.stop(wait=False)
+
+
+@pytest.mark.parametrize("error", [KeyError("x"), TypeError("bad operand"), AttributeError("no attribute 'y'"),
+                                   IndexError("list index out of range"), ValueError("bad value"),
+                                   AssertionError("invariant"), ZeroDivisionError("division by zero"),
+                                   NameError("name 'z' is not defined"), NotImplementedError("todo")])
+def test_a_programming_error_in_a_launch_is_reported_as_itself_not_as_a_dead_peer(error):
+    from bytescheduler.core.errors import CommunicationError, InternalError
+
+    raised = _scheduler_error(_RaisingLaunch(error))
+    assert isinstance(raised, InternalError) and not isinstance(raised, CommunicationError)
+    assert type(error).__name__ in str(raised) and "internal error in bytescheduler" in str(raised)
+    assert "peer" not in str(raised)
+    assert raised.__cause__ is error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("Connection closed by peer"), ConnectionResetError("reset"),
+                                   OSError("socket closed"), TimeoutError("timed out")])
+def test_what_a_communication_backend_raises_is_a_communication_error(error):
+    from bytescheduler.core.errors import CommunicationError
+
+    raised = _scheduler_error(_RaisingLaunch(error))
+    assert isinstance(raised, CommunicationError)
+    assert "a peer process may have died" in str(raised) and str(error) in str(raised)
+    assert raised.__cause__ is error
+
+
+def test_a_backend_error_of_a_runtime_error_subclass_is_a_communication_error():
+    """torch's DistBackendError, Horovod's HorovodInternalError and MXNet's MXNetError are RuntimeErrors."""
+    from bytescheduler.core.errors import CommunicationError, as_library_error
+
+    class HorovodInternalError(RuntimeError):
+        pass
+
+    class MXNetError(RuntimeError):
+        pass
+
+    import torch.distributed as dist
+
+    for error in (HorovodInternalError("Horovod has been shut down"), MXNetError("kvstore failed"),
+                  dist.DistBackendError("NCCL error")):
+        assert isinstance(as_library_error(error, 0), CommunicationError), error
+    closed = ByteSchedulerError("closed")
+    assert as_library_error(closed, 0) is closed

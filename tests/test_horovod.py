@@ -251,7 +251,7 @@ def test_unsupported_settings_raise_clear_value_errors():
     for rank, result in _bad().items():
         errors = result["errors"]
         for case, word in (("compression", "compression"), ("op", "op="), ("adasum", "op="),
-                           ("predivide", "predivide"), ("groups", "groups"), ("merge", "merge")):
+                           ("groups", "groups"), ("merge", "merge")):
             error = errors[case]
             assert error is not None, f"rank {rank}: {case} was accepted"
             assert error["type"] == "ValueError", (rank, case, error)
@@ -430,3 +430,91 @@ def test_many_ranks_of_different_speeds_one_joining_late_average_as_horovod(rank
         assert len({found[rank][config]["checksum"] for rank in found}) == 1, found
         for rank in found:
             assert found[rank][config]["worst"] <= 1e-6, (config, rank, found[rank][config])
+
+
+_surface_results: Dict[int, dict] = {}
+
+
+def _surface() -> Dict[int, dict]:
+    """The ``surface`` scenario, run once for the tests that read it."""
+    if not _surface_results:
+        _surface_results.update(run_ok("surface"))
+    return _surface_results
+
+
+def _check_same_as_horovod(name: str) -> None:
+    """The run ``name`` of every rank trained bit for bit as hvd.DistributedOptimizer alone."""
+    found = _surface()
+    for rank, result in found.items():
+        run = result["runs"][name]
+        assert run["max_abs_diff"] == 0.0 and run["values_equal"], (rank, name, run)
+        assert run["operations"] > 0, (rank, name, run)
+    assert found[0]["runs"][name]["checksum"] == found[1]["runs"][name]["checksum"], name
+
+
+CLIPPED = ("clip", "clip-adamw-accumulate", "clip-gpt2", "clip-switch", "clip-unused-on-rank-1",
+           "clip-unused-accumulate")
+
+
+@pytest.mark.parametrize("name", CLIPPED)
+def test_horovods_clipping_idiom_equals_horovod_bit_for_bit(name):
+    """optimizer.synchronize(); clip_grad_norm_(...); with optimizer.skip_synchronize(): optimizer.step(),
+    on the schedule and (``clip-switch``) switching to Horovod's own path; with accumulation, and
+    with a branch left out on rank 1 (synchronize() averages zeros for it there, as Horovod's)."""
+    from tests.horovod_worker import MAX_NORM
+
+    _check_same_as_horovod(name)
+    for rank, result in _surface().items():
+        run = result["runs"][name]
+        assert run["warnings"] == [[], []], (rank, name, run["warnings"])  # neither warns
+        assert any(norm > MAX_NORM for _, norm in run["values"]), (rank, name, run["values"])  # it clipped
+        if name == "clip-switch":
+            assert "s" in run["modes"] and "p" in run["modes"], run["modes"]
+
+
+def test_step_right_after_synchronize_warns_once_as_horovod_does():
+    _check_same_as_horovod("warn")
+    _check_same_as_horovod("checkpoint")
+    for rank, result in _surface().items():
+        horovods, ours = result["runs"]["warn"]["warnings"]
+        # Four such steps, one warning each: Python's default filter shows a warning once per place.
+        assert len(horovods) == 1 and "skip_synchronize" in horovods[0], horovods
+        assert len(ours) == 1 and "synchronize()" in ours[0] and "skip_synchronize()" in ours[0], ours
+        # load_state_dict() between synchronize() and step() clears the flag, as Horovod's does.
+        assert result["runs"]["checkpoint"]["warnings"] == [[], []], result["runs"]["checkpoint"]
+
+
+@pytest.mark.parametrize("name", ["zero-grad", "zero-grad-accumulate"])
+def test_zero_grad_between_backward_and_step_is_refused_as_horovod_refuses_it(name):
+    """An AssertionError, as Horovod's; after synchronize() it is allowed (a step dropped)."""
+    _check_same_as_horovod(name)
+    for rank, result in _surface().items():
+        run = result["runs"][name]
+        assert all(value[1] == ["AssertionError"] for value in run["values"]), (rank, run["values"])
+        assert sum(len(value) == 3 for value in run["values"]) == 2, run["values"]  # two steps dropped
+        # The step after a dropped one follows a synchronize() without skip_synchronize(): both warn.
+        assert [len(w) for w in run["warnings"]] == [1, 1], run["warnings"]
+
+
+@pytest.mark.parametrize("name", ["sum", "predivide", "predivide-switch"])
+def test_op_sum_and_gradient_predivide_factor_equal_horovod(name):
+    _check_same_as_horovod(name)
+    if name.endswith("switch"):
+        modes = _surface()[0]["runs"][name]["modes"]
+        assert "s" in modes and "p" in modes, modes
+
+
+def test_horovods_attributes_setter_and_helper():
+    for rank, result in _surface().items():
+        surface = result["surface"]
+        horovods, ours = surface["attributes"]
+        assert ours == horovods, (rank, surface["attributes"])
+        assert surface["duplicates"] == [["a", "b"], ["a", "b"]], surface["duplicates"]
+        assert surface["has"] == ["find_duplicates", "load_state_dict", "set_backward_passes_per_step",
+                                  "skip_synchronize", "synchronize", "zero_grad"], surface["has"]
+        # The number in force is accepted; another is refused, naming how to get it.
+        assert surface["set_passes"]["2"] is None, surface["set_passes"]
+        message = surface["set_passes"]["3"]
+        assert message and "backward_passes_per_step=3" in message and "close()" in message, message
+        # ScheduledOptimizer(backward_passes_per_step=3) over Horovod's default of 1: the attribute says 3.
+        assert surface["override_passes"] == 3, surface

@@ -539,7 +539,8 @@ def _models(rank):
                 schedule.step()
             guard.append((optimizer._bytescheduler.plain, _guard_installed()))
             order = list(first._forward_pre_hooks)  # ours, if any, then the user's
-            hooks.append((optimizer._bytescheduler.plain, sum(len(m._forward_pre_hooks) for m in ours.modules()) - 1,
+            owners = [m for m in ours.modules() if list(m.parameters(recurse=False))]  # not the buffers' sync
+            hooks.append((optimizer._bytescheduler.plain, sum(len(m._forward_pre_hooks) for m in owners) - 1,
                           order[-1] == users.id, len(calls)))
         optimizer.synchronize()
         out[name] = dict(same=_same(ours, theirs), modes=_modes(optimizer), guard=guard, hooks=hooks,

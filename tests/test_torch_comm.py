@@ -133,8 +133,9 @@ def _schedule_sums(rank, world_size, unreachable_rank):
     for future in futures:
         future.result(timeout=30)
     scheduler.stop()
+    tcp = isinstance(groups.order, order.TcpOrderChannel)  # before release, which closes a TCP channel
     groups.release()
-    return isinstance(groups.order, order.TcpOrderChannel), [tensor.unique().tolist() for tensor in tensors]
+    return tcp, [tensor.unique().tolist() for tensor in tensors]
 
 
 @pytest.mark.parametrize("unreachable_rank", [None, 1, 2, "unresolvable"])

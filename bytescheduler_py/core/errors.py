@@ -54,15 +54,40 @@ class CallbackError(ByteSchedulerError):
     """A done-callback of a task raised; the original exception is the ``__cause__``."""
 
 
+class InternalError(ByteSchedulerError):
+    """A programming error inside bytescheduler or its backend (a ``KeyError``, a
+    ``TypeError``, ...), not a failed communication; the original exception is the
+    ``__cause__``."""
+
+
+# What communication backends raise when an operation fails: torch.distributed, gloo and
+# NCCL a RuntimeError (DistBackendError, DistNetworkError, ...), Horovod HorovodInternalError,
+# MXNet MXNetError (RuntimeErrors too), sockets an OSError (ConnectionError, TimeoutError).
+_COMMUNICATION_ERRORS = (RuntimeError, OSError)
+# RuntimeErrors that are programming errors.
+_PROGRAMMING_ERRORS = (NotImplementedError, RecursionError)
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """Whether ``error`` is what a communication backend raises for a failed operation."""
+    return isinstance(error, _COMMUNICATION_ERRORS) and not isinstance(error, _PROGRAMMING_ERRORS)
+
+
 def as_library_error(error: BaseException, rank: int) -> ByteSchedulerError:
-    """``error`` itself when bytescheduler raised it; otherwise a :class:`CommunicationError`
-    caused by it (a backend's exception: a peer died, the network failed)."""
+    """``error`` itself when bytescheduler raised it; a :class:`CommunicationError` caused
+    by it when a communication backend did (:func:`is_communication_error`: a peer died,
+    the network failed); otherwise an :class:`InternalError` caused by it."""
     if isinstance(error, ByteSchedulerError):
         return error
-    wrapped = CommunicationError(
-        f"rank {rank}: communication failed ({type(error).__name__}: {error}); a peer "
-        "process may have died or the network failed"
-    )
+    if is_communication_error(error):
+        wrapped: ByteSchedulerError = CommunicationError(
+            f"rank {rank}: communication failed ({type(error).__name__}: {error}); a peer "
+            "process may have died or the network failed"
+        )
+    else:
+        wrapped = InternalError(
+            f"rank {rank}: internal error in bytescheduler (please report): {type(error).__name__}: {error}"
+        )
     wrapped.__cause__ = error
     return wrapped
 

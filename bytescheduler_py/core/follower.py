@@ -23,7 +23,7 @@ True
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .credit import CreditWindow
 from .errors import MismatchError
@@ -55,6 +55,12 @@ class Follower:
         self._op_ids = 0
         self.undecided_elements = 0
         self.stop_received = False
+        # Keys whose task this rank makes only when rank 0 schedules it: ``provider(generation)``
+        # returns it, or None while it cannot be made yet (see Scheduler.provide).
+        self.providers: Dict[int, Callable[[int], Optional[Task]]] = {}
+        # Provided tasks launched whose outcome the adapter has not applied yet (it calls
+        # Scheduler.withdraw(fence=True)); no stand-in is claimed meanwhile.
+        self.fences = 0
         self.main = CreditWindow(0)
         self.fast = CreditWindow(0)
 
@@ -115,6 +121,8 @@ class Follower:
             for key, generation, start, stop in spec:
                 task = pending.get((key, generation))
                 if task is None:
+                    task = self._claim(key, generation, now)
+                if task is None:
                     if generation < generations.get(key, 0):
                         raise MismatchError(
                             f"rank {self.rank}: rank 0 scheduled tensor key {key} generation {generation} "
@@ -134,6 +142,27 @@ class Follower:
             self.window(op.lane).take(op.nbytes)
             ops.append(op)
         return ops
+
+    def _claim(self, key: int, generation: int, now: float) -> Optional[Task]:
+        """A task rank 0 scheduled that was not submitted here: a stand-in this rank offered
+        (unless a provided task's outcome is still to be applied), or a provider's."""
+        if (key, generation) in self._ledger.standby:
+            if self.fences:
+                return None
+            task = self._ledger.claim(key, generation)
+            task.ready_time = now  # waits for rank 0 count from here
+            return task
+        provider = self.providers.get(key)
+        if provider is None:
+            return None
+        task = provider(generation)
+        if task is not None:
+            task.generation = generation
+            task.ready_time = now
+            self._ledger.add(task)
+            self.undecided_elements += task.numel  # its decision was counted on arrival
+            self.fences += 1
+        return task
 
     def check_overdue(self, now: float, limit: float) -> None:
         """Raise when a decision waited ``limit`` s for tensors this rank never submitted, or a

@@ -31,13 +31,31 @@ class Ledger:
         self.pending: Dict[Tuple[int, int], Task] = {}
         self.generations: Dict[int, int] = {}
         self.in_flight: Dict[int, Operation] = {}
+        # A follower's tasks offered in case rank 0 schedules them (see Scheduler.offer):
+        # not pending until claimed, so nothing waits for them.
+        self.standby: Dict[Tuple[int, int], Task] = {}
 
     def add(self, task: Task) -> None:
-        """Record a submitted task and give it its key's next generation."""
-        generation = self.generations.get(task.key, 0)
-        self.generations[task.key] = generation + 1
-        task.generation = generation
+        """Record a submitted task and give it its key's next generation (or keep the one
+        it was given: an adapter that numbers a key's submissions itself)."""
+        generation = task.generation
+        if generation < 0:
+            generation = task.generation = self.generations.get(task.key, 0)
+        self.generations[task.key] = max(generation + 1, self.generations.get(task.key, 0))
         self.pending[(task.key, generation)] = task
+
+    def offer(self, task: Task) -> None:
+        """Hold ``task`` as its key's next generation without submitting it (a follower's
+        stand-in, e.g. zeros for a parameter this rank's backward did not produce)."""
+        task.generation = self.generations.get(task.key, 0)
+        self.standby[(task.key, task.generation)] = task
+
+    def claim(self, key: int, generation: int) -> Optional[Task]:
+        """The stand-in offered for ``(key, generation)``, now submitted; None if there is none."""
+        task = self.standby.pop((key, generation), None)
+        if task is not None:
+            self.add(task)
+        return task
 
     def launched(self, ops: List[Operation], now: float) -> None:
         """``ops`` are in flight from ``now`` on (their deadlines count from here)."""
@@ -67,6 +85,7 @@ class Ledger:
         """Forget everything (work given up); return the tasks that were pending."""
         tasks = list(self.pending.values())
         self.pending.clear()
+        self.standby.clear()
         self.in_flight.clear()  # late completions of these are ignored
         return tasks
 

@@ -27,7 +27,7 @@ import enum
 import itertools
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from .backend import Backend
 from .config import SchedulerConfig
@@ -158,6 +158,50 @@ class Scheduler:
                 return task.future
         self._resolve(task)
         return task.future
+
+    def offer(self, task: Task) -> TaskFuture:
+        """A follower's stand-in: ``task`` goes if rank 0 schedules its key's next generation
+        (it resolves then, as a submitted task does) and is dropped by :meth:`withdraw`
+        otherwise. Nothing waits for it meanwhile, and on rank 0 it is simply submitted.
+        For a tensor this rank's iteration did not produce (zeros of an unused parameter)
+        whose fate only rank 0 knows."""
+        if self._leader:
+            return self.submit(task)
+        task.ready_time = time.perf_counter()
+        with self._lock:
+            self._raise_if_unusable()
+            self._ledger.offer(task)
+            self._decider.undecided_elements += task.numel
+            self._cond.notify_all()
+        return task.future
+
+    def withdraw(self, tasks: Sequence[Task], fence: bool = False) -> None:
+        """Drop stand-ins of :meth:`offer` that rank 0 will not schedule; ``fence``: the
+        outcome of a provided task (:meth:`provide`) has been applied, so stand-ins may be
+        claimed again."""
+        with self._lock:
+            for task in tasks:
+                if self._ledger.standby.pop((task.key, task.generation), None) is not None:
+                    self._decider.undecided_elements -= task.numel
+            if fence and not self._leader:
+                self._decider.fences -= 1
+            self._cond.notify_all()
+
+    def provide(self, key: int, provider: Callable[[int], Optional[Task]]) -> None:
+        """On a follower, make ``key``'s tasks on demand: when rank 0 schedules generation g,
+        ``provider(g)`` (called under the scheduler's lock: it must not block or call back)
+        returns the task, or None until it can. Stand-ins are not claimed from then until the
+        adapter applied the task's outcome and called ``withdraw(..., fence=True)``. No-op on
+        rank 0, which submits such tasks itself."""
+        if not self._leader:
+            with self._lock:
+                self._decider.providers[key] = provider
+
+    def poke(self) -> None:
+        """Something a provider depends on changed: let the dispatcher look again."""
+        with self._lock:
+            if self._sleepers:
+                self._cond.notify_all()
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every submitted task has been communicated; raises

@@ -8,7 +8,9 @@ follower as ``[count: int64][count x int64]``, little-endian. How the followers 
 the torch.distributed and Horovod backends through :func:`connect` over their own collectives).
 A follower opens with its rank and a
 token rank 0 chose; rank 0 answers with the token, so a follower given a wrong address
-never mistakes another service for rank 0.
+never mistakes another service for rank 0. Rank 0 drops any connection that does not
+complete this handshake within :data:`HANDSHAKE_SECONDS` (a port scanner, a health check,
+a rank of another job) and goes on waiting for the ranks.
 
 >>> leader = TcpOrderChannel(rank=0, timeout=5.0)
 >>> leader.serve(world_size=1), leader.is_leader, leader.connected
@@ -18,6 +20,7 @@ never mistakes another service for rank 0.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import select
@@ -25,7 +28,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .errors import CommunicationError, CommunicationTimeout
 from .log import logger
@@ -33,6 +36,9 @@ from .ordering import STOP, encode_stop
 
 _COUNT = struct.Struct("<q")
 _HELLO = struct.Struct("<qq")  # a follower's rank and the token
+
+# Seconds a connection to rank 0's listener has to send its handshake before it is dropped.
+HANDSHAKE_SECONDS = 2.0
 
 
 def local_address(peer_host: Optional[str] = None) -> str:
@@ -90,66 +96,133 @@ class TcpOrderChannel:
         self._expected = 0
         self._token = 0
         self._epochs = 0
+        self._closed = False
+        self._lock = threading.Lock()  # the sockets held, against a close() from another thread
         self.connected = False
 
     # ------------------------------------------------------------------ set-up
 
-    def serve(self, world_size: int, host: str = "0.0.0.0", token: int = 0) -> int:
-        """Rank 0: start listening for the other ``world_size - 1`` ranks; return the port.
+    def serve(self, world_size: int, host: str = "127.0.0.1", token: int = 0) -> int:
+        """Rank 0: start listening on ``host`` for the other ``world_size - 1`` ranks; return the port.
 
-        Followers must :meth:`join` with the same ``token``.
+        ``host`` is the address the followers connect to (every interface when it is not
+        one of this host's). Followers must :meth:`join` with the same ``token``.
         """
         self._expected = world_size - 1
         self._token = token
         if self._expected > 0:
-            self._listener = socket.create_server((host, 0), backlog=max(8, world_size))
+            backlog = max(8, world_size)
+            try:
+                listener = socket.create_server((host, 0), backlog=backlog)
+            except OSError as error:
+                logger.warning("rank 0: cannot listen for the ordering channel on %s (%s); listening on every "
+                               "interface", host, error)
+                listener = socket.create_server(("0.0.0.0", 0), backlog=backlog)
+            listener.setblocking(False)
+            with self._lock:
+                if self._closed:
+                    listener.close()
+                    raise CommunicationError("rank 0: the ordering channel was closed")
+                self._listener = listener
         else:
             self.connected = True
         return self.port
 
     @property
     def port(self) -> int:
-        return self._listener.getsockname()[1] if self._listener is not None else 0
+        listener = self._listener
+        return listener.getsockname()[1] if listener is not None else 0
 
     def accept(self, timeout: Optional[float] = None) -> None:
-        """Wait until every other rank connected (rank 0); ``timeout`` defaults to the channel's."""
+        """Wait until every other rank connected (rank 0); ``timeout`` defaults to the channel's.
+
+        Connections that do not complete the handshake (:data:`HANDSHAKE_SECONDS`) are
+        dropped and logged; the wait goes on for the ranks.
+        """
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        seen = set()
-        while len(self._followers) < self._expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CommunicationTimeout(
-                    f"rank 0: {len(self._followers)} of {self._expected} ranks connected to the ordering "
-                    f"channel within {limit} s; is every worker running?")
-            listener = self._listener
-            if listener is None:
-                raise CommunicationError("rank 0: the ordering channel was closed while waiting for the ranks")
-            # Short waits: closing the listener from another thread does not wake accept().
-            listener.settimeout(min(remaining, 0.2))
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                continue
-            sock.settimeout(max(0.1, remaining))
-            try:
-                rank, token = _HELLO.unpack(_read_exact(sock, _HELLO.size, None))
-            except (OSError, CommunicationError):
-                sock.close()  # not one of ours (or it gave up): keep waiting for the ranks
-                continue
-            if token != self._token or rank in seen or not 0 < rank <= self._expected:
+        pending: Dict[socket.socket, Tuple[float, bytearray, Any]] = {}  # until, bytes so far, address
+        seen: Set[int] = set()
+        try:
+            while len(self._followers) < self._expected:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise CommunicationTimeout(
+                        f"rank 0: {len(self._followers)} of {self._expected} ranks connected to the ordering "
+                        f"channel within {limit} s; is every worker running?")
+                listener = self._listener
+                if listener is None:
+                    raise CommunicationError("rank 0: the ordering channel was closed while waiting for the ranks")
+                for sock, (until, _, address) in list(pending.items()):
+                    if now >= until:
+                        _drop(pending, sock, address, f"sent no handshake within {HANDSHAKE_SECONDS} s")
+                wake = min([deadline] + [until for until, _, _ in pending.values()])
+                # Short waits: closing the listener from another thread does not wake select().
+                try:
+                    readable, _, _ = select.select([listener, *pending], [], [], min(max(0.0, wake - now), 0.2))
+                except (OSError, ValueError):  # the listener was closed meanwhile
+                    continue
+                for sock in readable:
+                    if sock is listener:
+                        self._take(listener, pending)
+                    else:
+                        self._handshake(sock, pending, seen)
+            with self._lock:
+                listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.close()
+            self.connected = True
+        finally:
+            for sock in pending:
                 sock.close()
-                raise CommunicationError(
-                    f"rank 0: unexpected ordering connection (rank {rank}, token {'ok' if token == self._token else 'wrong'})")
-            sock.sendall(_COUNT.pack(self._token))
-            sock.settimeout(self.timeout)
+
+    def _take(self, listener: socket.socket, pending: Dict[socket.socket, Tuple[float, bytearray, Any]]) -> None:
+        """Accept a waiting connection, if any, into ``pending`` (rank 0)."""
+        try:
+            sock, address = listener.accept()
+        except OSError:  # gone before it was accepted, or the listener was closed
+            return
+        sock.settimeout(HANDSHAKE_SECONDS)
+        pending[sock] = (time.monotonic() + HANDSHAKE_SECONDS, bytearray(), address)
+
+    def _handshake(self, sock: socket.socket, pending: Dict[socket.socket, Tuple[float, bytearray, Any]],
+                   seen: Set[int]) -> None:
+        """Read what ``sock`` sent; once it has sent a whole handshake, make it a follower or drop it."""
+        _, data, address = pending[sock]
+        try:
+            chunk = sock.recv(_HELLO.size - len(data))
+        except OSError as error:
+            _drop(pending, sock, address, f"failed ({error})")
+            return
+        if not chunk:
+            _drop(pending, sock, address, "closed before its handshake")
+            return
+        data += chunk
+        if len(data) < _HELLO.size:
+            return
+        rank, token = _HELLO.unpack(data)
+        if token != self._token:
+            _drop(pending, sock, address, "sent a wrong token (another job, or not a rank)", logging.WARNING)
+        elif not 0 < rank <= self._expected:
+            _drop(pending, sock, address, f"sent rank {rank}, not one of 1..{self._expected}", logging.WARNING)
+        elif rank in seen:
+            _drop(pending, sock, address, f"sent rank {rank}, which is already connected", logging.WARNING)
+        else:
+            del pending[sock]
+            try:
+                sock.sendall(_COUNT.pack(self._token))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(self.timeout)
+            except OSError as error:
+                sock.close()
+                logger.debug("rank 0: rank %d left the ordering channel during its handshake (%s)", rank, error)
+                return
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    raise CommunicationError("rank 0: the ordering channel was closed while waiting for the ranks")
+                self._followers.append(sock)
             seen.add(rank)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._followers.append(sock)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        self.connected = True
 
     def join(self, address: Tuple[str, int], token: int = 0, timeout: Optional[float] = None) -> None:
         """A follower: connect to rank 0 at ``address``, retrying until ``timeout`` (default: the channel's).
@@ -170,20 +243,26 @@ class TcpOrderChannel:
                         f"{address[1]} within {limit} s ({error})") from None
                 time.sleep(0.05)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(_HELLO.pack(self.rank, token))
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            answer = _COUNT.unpack(_read_exact(sock, _COUNT.size, None))[0]
-        except (OSError, CommunicationError) as error:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.sendall(_HELLO.pack(self.rank, token))
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                answer = _COUNT.unpack(_read_exact(sock, _COUNT.size, None))[0]
+            except (OSError, CommunicationError) as error:
+                raise CommunicationError(
+                    f"rank {self.rank}: {address[0]}:{address[1]} did not answer as rank 0's ordering channel "
+                    f"({error})") from None
+            if answer != token:
+                raise CommunicationError(
+                    f"rank {self.rank}: {address[0]}:{address[1]} is not rank 0's ordering channel")
+            sock.settimeout(None)
+            with self._lock:
+                if self._closed:
+                    raise CommunicationError(f"rank {self.rank}: the ordering channel was closed")
+                self._leader = sock
+        except BaseException:
             sock.close()
-            raise CommunicationError(
-                f"rank {self.rank}: {address[0]}:{address[1]} did not answer as rank 0's ordering channel "
-                f"({error})") from None
-        if answer != token:
-            sock.close()
-            raise CommunicationError(f"rank {self.rank}: {address[0]}:{address[1]} is not rank 0's ordering channel")
-        sock.settimeout(None)
-        self._leader = sock
+            raise
         self.connected = True
 
     # ------------------------------------------------------------------ channel
@@ -211,22 +290,37 @@ class TcpOrderChannel:
     def receive(self, cancel: threading.Event) -> Optional[List[int]]:
         if not self.connected:  # stopped before anything was scheduled (rank 0 sends nothing)
             return encode_stop(self._epochs)
-        head = _read_exact(self._leader, _COUNT.size, cancel)
+        leader = self._leader
+        if leader is None:
+            raise CommunicationError(f"rank {self.rank}: the ordering channel was closed")
+        head = _read_exact(leader, _COUNT.size, cancel)
         if head is None:
             return None
         count = _COUNT.unpack(head)[0]
-        body = _read_exact(self._leader, 8 * count, cancel)
+        body = _read_exact(leader, 8 * count, cancel)
         if body is None:
             return None
         return list(struct.unpack(f"<{count}q", body))
 
     def close(self) -> None:
-        for sock in self._followers + [s for s in (self._leader, self._listener) if s is not None]:
+        """Close every socket the channel holds; a connection made after this is closed at once."""
+        with self._lock:
+            self._closed = True
+            held = self._followers + [s for s in (self._leader, self._listener) if s is not None]
+            self._followers, self._leader, self._listener = [], None, None
+        for sock in held:
             try:
                 sock.close()
             except OSError:
                 pass
-        self._followers, self._leader, self._listener = [], None, None
+
+
+def _drop(pending: Dict[socket.socket, Tuple[float, bytearray, Any]], sock: socket.socket, address: Any,
+          why: str, level: int = logging.DEBUG) -> None:
+    """Close a connection to rank 0's listener that is not one of the ranks, and log it."""
+    del pending[sock]
+    sock.close()
+    logger.log(level, "rank 0: ignored an ordering connection from %s: it %s", address, why)
 
 
 # Seconds the ranks try to set up the TCP order connection before falling back.
@@ -240,10 +334,10 @@ def connect(rank: int, world_size: int, share: Callable[[Any], Any], gather: Cal
 
     The framework's own collectives carry the set-up: ``share(obj)`` returns rank 0's
     ``obj`` on every rank (a broadcast), ``gather(obj)`` every rank's (an all-gather).
-    Rank 0 listens on every interface and shares the address of its route towards
-    ``peer_host`` (a host every rank reached, e.g. the rendezvous) with a random token;
-    the others connect, and all learn together whether everyone did, so every rank uses
-    the same channel (the caller's fallback when this returns None).
+    Rank 0 listens on the address of its route towards ``peer_host`` (a host every rank
+    reached, e.g. the rendezvous; 127.0.0.1 for a rendezvous on this host) and shares it
+    with a random token; the others connect, and all learn together whether everyone did,
+    so every rank uses the same channel (the caller's fallback when this returns None).
     """
     channel = TcpOrderChannel(rank, timeout)
     failures: List[BaseException] = []
@@ -251,11 +345,11 @@ def connect(rank: int, world_size: int, share: Callable[[Any], Any], gather: Cal
     offer = None
     if rank == 0:
         token = random.SystemRandom().getrandbits(62)
-        port = channel.serve(world_size, token=token)
         try:
             host = local_address(peer_host)
         except OSError:  # e.g. an unresolvable name: the others then fail to connect, and all fall back
             host = "127.0.0.1"
+        port = channel.serve(world_size, host=host, token=token)
         offer = (host, port, token)
 
         def accept() -> None:

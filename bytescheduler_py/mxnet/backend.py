@@ -207,7 +207,8 @@ class KVBackend:
         """
         sent = None
         if self._rank == 0:
-            sent = {"host": local_address(os.environ.get("DMLC_PS_ROOT_URI")), "port": channel.serve(self._num_workers),
+            host = local_address(os.environ.get("DMLC_PS_ROOT_URI"))
+            sent = {"host": host, "port": channel.serve(self._num_workers, host=host),
                     "settings": {field: getattr(settings, field) for field in FROM_RANK_0}, "grain": grain}
         found = self.call(lambda: rank0_json(self._inner, key, sent, _SETTINGS_BYTES),
                           "exchanging rank 0's ordering address")

@@ -6,9 +6,10 @@ plain path (:mod:`bytescheduler.pytorch.plain`: the framework's own buckets and 
 ``step()``), keeps the faster and re-tries the other now and then. Every rank runs the
 same chooser; at its decision points one small collective carries rank 0's proposal and
 each rank's veto (a rank that saw a parameter without a gradient at some step stops the
-switching for good: the plain path's buckets need every gradient, as DDP's do without
-``find_unused_parameters``). A switch happens inside ``step()``, on every rank at the same
-step, after the scheduled path has drained, so the two paths never overlap.
+switching for good: the plain path then completes its buckets with zeros at ``step()``,
+see :mod:`bytescheduler.pytorch.unused`, so its times no longer tell a regular step's).
+A switch happens inside ``step()``, on every rank at the same step, after the scheduled
+path has drained, so the two paths never overlap.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..core.modes import PLAIN, ModeDriver, new_chooser
 from .errors import GradientError, undeclared_sparse
 from .grad_views import hand_over
 from .plain import PlainPath, Reducer, assign_buckets
-from .read_guard import ReadGuard
+from .unused import Absence
+from .read_guard import ReadGuard, suspended
 from .updates import full_optimizer
 
 # DDP's bucket sizes (torch.distributed's first bucket and bucket_cap_mb's default).
@@ -79,11 +81,13 @@ class BucketRoute:
     """The plain path on our buckets: our gradient hook hands each complete gradient to a
     :class:`~bytescheduler.pytorch.plain.PlainPath` over the adapter's reducer (DDP's layout)."""
 
-    def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int) -> None:
+    def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
+                 absence: Optional[Absence] = None) -> None:
         self._setup = setup
         self._rank = rank
         self._states = states
         self._passes = passes
+        self._absence = absence
         self.rebuild()
 
     def gradient(self, state: Any) -> bool:
@@ -125,8 +129,16 @@ class BucketRoute:
         members = [(s.key, s.param.numel() * s.param.element_size(), (s.param.dtype, s.param.device))
                    for s in reversed(ordered)]
         buckets = assign_buckets(members, self._setup.first_bytes, self._setup.bucket_bytes)
-        assign = (lambda key, view: hand_over(by_key[key].param, view)) if self._setup.grad_views else None
-        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank, assign)
+        assign = None
+        if self._setup.grad_views:
+            assign = lambda key, view: key in by_key and hand_over(by_key[key].param, view)  # noqa: E731
+        zeros = unused = None
+        if self._absence is not None:
+            zeros = lambda key: _zero_gradient(by_key[key].param)  # noqa: E731
+            if self._absence is Absence.DDP:
+                unused = lambda keys: _forget_gradients(by_key[key].param for key in keys)  # noqa: E731
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank, assign,
+                              zeros, unused)
 
 
 class HookRoute:
@@ -199,11 +211,11 @@ class ModeSwitch:
     """
 
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, absence: Optional[Absence] = None) -> None:
         leader = rank == 0
         self.chooser = new_chooser(setup.start_plain)
         self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
-        self.route = (BucketRoute(setup, rank, states, passes) if setup.hooks is None
+        self.route = (BucketRoute(setup, rank, states, passes, absence) if setup.hooks is None
                       else HookRoute(setup.hooks, passes))
         self.irregular = False  # a parameter had no gradient at some step on this rank
 
@@ -218,12 +230,25 @@ class ModeSwitch:
 
     def plain_step(self, engine: Any) -> None:
         """The plain mode's ``step()``: finish the buckets, then one full update with the user's rule."""
+        engine.end_plain_round()
         if not self.route.finish():
             self.irregular = True
         engine.average_sparse(apply=False)  # the full step below updates those parameters too
         with engine._cond:
             engine._steps_called += 1
         full_optimizer(engine._optimizer, engine._base).step()
+        self.end_step(engine)
+
+    def shadow_step(self, engine: Any) -> None:
+        """A rank out of data (:mod:`.join`) on the plain path: every bucket with zeros, the
+        averages dropped, no update; then the step's end as everywhere (it vetoes switching)."""
+        with suspended():
+            for state in engine.states.values():
+                state.param.grad = None
+            self.route.finish()
+            for state in engine.states.values():
+                state.param.grad = None
+        self.irregular = True
         self.end_step(engine)
 
     def end_step(self, engine: Any) -> None:
@@ -259,6 +284,18 @@ def _own_gradients(states: Any) -> None:
         grad = state.param.grad
         if grad is not None and grad._base is not None:
             state.param.grad = grad.clone()
+
+
+def _zero_gradient(param: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for ``param``, which had none this step (see :mod:`.unused`)."""
+    param.grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+    return param.grad
+
+
+def _forget_gradients(params: Any) -> None:
+    """No rank had a gradient for ``params``: they keep none, as DDP leaves them."""
+    for param in params:
+        param.grad = None
 
 
 def _gradient(state: Any) -> Optional[torch.Tensor]:

@@ -69,7 +69,10 @@ class BucketViews:
     bucket. Memory: one more copy of the gradients, while the gradients' own tensors are
     freed as they are handed over. Buckets without a large gradient, and DDP run with
     ``gradient_as_bucket_view=True`` (its gradients are the bucket already), are divided
-    in place as before.
+    in place as before. That mode is told from every large gradient of the bucket, not
+    one: with ``find_unused_parameters=True`` a parameter unused on this rank has no
+    gradient when the hook runs, while the others' are DDP's views, which DDP checks are
+    still its views when it takes the result back (and raises otherwise).
 
     >>> views = BucketViews()                                  # in the hook:
     >>> averaged = views.divide(bucket, world_size)            # doctest: +SKIP
@@ -99,7 +102,7 @@ class BucketViews:
         if known is None or known[0].data_ptr() != buffer.data_ptr() or known[0].numel() != buffer.numel():
             known = self._buckets[index] = (buffer, *self._views(bucket, buffer))
         averaged, pairs = known[1], known[2]
-        if averaged is None or _is_ddps_own_view(pairs[0][0].grad, buffer):
+        if averaged is None or any(_is_ddps_own_view(param.grad, buffer) for param, _ in pairs):
             return buffer.div_(world_size)
         torch.div(buffer, world_size, out=averaged)
         for param, view in pairs:

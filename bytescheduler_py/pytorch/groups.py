@@ -5,7 +5,9 @@ user's backend: gloo runs the operations of one group first in, first out, so a 
 urgent piece must not queue behind large ones), a gloo control group, a gloo group for
 sparse gradients, and rank 0's order channel over them (:mod:`bytescheduler.pytorch.order`). Creating process groups is
 collective, so they are made once and claimed by one scheduler at a time
-(:meth:`ProcessGroups.claim`); :meth:`ProcessGroups.release` returns them. Our operations
+(:meth:`ProcessGroups.claim`); :meth:`ProcessGroups.release` returns them. A TCP order
+channel is connected for each claim and closed on release, so no socket outlives its
+scheduler. Our operations
 never share a group with the user's own collectives, so the order of the user's calls is
 untouched.
 """
@@ -16,9 +18,11 @@ import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..core.log import logger
+from ..core.tcp_channel import TcpOrderChannel
 from .keeper import Keeper
 from .order import GlooOrderChannel, OrderChannel, connect_order_channel
 
@@ -26,12 +30,29 @@ NUM_LANES = 2
 
 
 def require_initialized() -> None:
-    """Raise a clear error unless torch.distributed is initialized."""
+    """Raise a clear error unless torch.distributed is initialized (and numpy usable, :func:`require_numpy`)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call torch.distributed.init_process_group() "
             "before creating a bytescheduler hook or optimizer"
         )
+    require_numpy()
+
+
+def require_numpy() -> None:
+    """Raise a clear ImportError unless torch can hand a tensor to numpy.
+
+    The object collectives bytescheduler sets up with (torch.distributed's
+    ``all_gather_object`` and ``broadcast_object_list``, Horovod's ``allgather_object``)
+    read what they received through numpy.
+    """
+    try:
+        import numpy  # noqa: F401 - torch finds it by itself; this names a missing one
+        torch.zeros(1, dtype=torch.uint8).numpy()
+    except (ImportError, RuntimeError) as error:  # torch: "Numpy is not available"
+        raise ImportError(
+            f"bytescheduler needs numpy, which torch's object collectives use ({error}): pip install numpy"
+        ) from error
 
 
 class ProcessGroups:
@@ -94,6 +115,13 @@ class ProcessGroups:
                 if spec == mine:
                     chosen = pool[index]
                     chosen.claimed = True
+        if chosen is not None and chosen.order is None:  # reused: its TCP channel was closed on release
+            try:
+                chosen.order = connect_order_channel(chosen.rank, chosen.world_size, chosen.ranks[0], chosen.control,
+                                                     chosen.keeper, chosen.timeout)
+            except BaseException:
+                chosen.release(broken=True)
+                raise
         return chosen
 
     def __init__(self, ranks: List[int], backend: str, timeout: float) -> None:
@@ -103,6 +131,7 @@ class ProcessGroups:
         self.rank = ranks.index(me) if me in ranks else -1
         self.world_size = len(ranks)
         self.backend = backend
+        self.timeout = timeout
         span = timedelta(seconds=timeout)
         self.lanes = [dist.new_group(ranks, timeout=span, backend=backend) for _ in range(NUM_LANES)]
         self.control = dist.new_group(ranks, timeout=span, backend="gloo")
@@ -122,10 +151,14 @@ class ProcessGroups:
 
         Operations posted on one rank only (an abandoned schedule) may remain on the groups
         of an abandoned scheduler, so broken groups are never claimed again. Waits until
-        gloo has let go of every tensor and callback of the finished operations.
+        gloo has let go of every tensor and callback of the finished operations. A TCP order
+        channel is closed (the next claim connects a new one).
         """
         if isinstance(self.order, GlooOrderChannel):
             self.order.release()
+        elif isinstance(self.order, TcpOrderChannel):
+            self.order.close()
+            self.order = None
         if not self.keeper.wait_idle(10.0):
             logger.warning("gloo has not let go of a finished operation's tensors after 10 s")
         with self._pools_lock:

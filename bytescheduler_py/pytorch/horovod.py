@@ -20,12 +20,15 @@ ready at slightly different moments on each rank, two ranks fill their credits w
 different pieces, and each waits inside Horovod for the other to submit its own.
 """
 
+import contextlib
+import functools
 import itertools
 import math
 import os
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -50,8 +53,10 @@ from .optimizer import wrap_optimizer
 from .order import frame_tensors
 from .layout import param_layout
 from .errors import check_arguments
+from .groups import require_numpy
 from .horovod_hold import Held
 from .overlap import OverlapEngine
+from .unused import Absence
 
 # A backward-pass countdown that never reaches zero keeps Horovod's own gradient hooks
 # (registered on the autograd graph, impossible to remove) from communicating.
@@ -81,13 +86,16 @@ def init() -> None:
 class HorovodBackend:
     """:class:`~bytescheduler.core.Backend` over ``hvd.allreduce_async_``.
 
+    ``op`` and the scale factors are Horovod's, as ``hvd.DistributedOptimizer`` passes them
+    (:func:`_reduction`); each piece is reduced with them, as the whole gradient would be.
     Completion is learned by one poller thread (Horovod offers ``poll``, not callbacks).
     """
 
     num_lanes = 1
 
-    def __init__(self, op: Any = None) -> None:
+    def __init__(self, op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
         self._op = hvd.Average if op is None else op
+        self._factors = {"prescale_factor": prescale_factor, "postscale_factor": postscale_factor}
         self.name = f"bytescheduler.{next(_backend_ids)}"
         self._incoming: "queue.SimpleQueue[Optional[Tuple[int, Done, Held]]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._poll, name="bytescheduler-horovod-poll", daemon=True)
@@ -99,7 +107,8 @@ class HorovodBackend:
         piece = op.pieces[0]
         view = piece.task.payload.narrow(0, piece.start, piece.stop - piece.start)
         held = Held(view)  # see horovod_hold.py: Horovod must never need the GIL to let go of it
-        handle = hvd.allreduce_async_(held.tensor, name=f"{self.name}.{piece.task.key}.{piece.start}", op=self._op)
+        handle = hvd.allreduce_async_(held.tensor, name=f"{self.name}.{piece.task.key}.{piece.start}", op=self._op,
+                                      **self._factors)
         self._incoming.put((handle, done, held))
 
     def _poll(self) -> None:
@@ -404,21 +413,37 @@ def _unwrap(optimizer: torch.optim.Optimizer) -> Tuple[type, int]:
     these two private fields are read: ``_compression`` and ``_groups`` (and, on Horovod's own
     path, ``_handles``: :class:`HorovodHooks`).
     """
-    if not all(hasattr(optimizer, name) for name in ("set_backward_passes_per_step", "skip_synchronize",
-                                                     "synchronize")):
+    if not _is_horovods(optimizer):
         return type(optimizer), 1
     if getattr(optimizer, "_groups", None) is not None:
-        raise ValueError("bytescheduler does not support hvd.DistributedOptimizer(groups=...): "
+        raise ValueError("bytescheduler does not support hvd.DistributedOptimizer(groups=...) (or num_groups=): "
                          "it schedules each gradient itself; leave groups unset")
     if getattr(optimizer, "_compression", hvd.Compression.none) is not hvd.Compression.none:
         raise ValueError("bytescheduler does not support Horovod compression; use hvd.Compression.none")
-    if getattr(optimizer, "op", None) is not hvd.Average:  # Adasum's optimizer has no ``op``
-        raise ValueError("bytescheduler averages gradients; hvd.DistributedOptimizer(op=...) must be hvd.Average")
-    if getattr(optimizer, "gradient_predivide_factor", 1.0) != 1.0:
-        raise ValueError("bytescheduler does not support gradient_predivide_factor; leave it at 1.0")
+    if getattr(optimizer, "op", None) not in (hvd.Average, hvd.Sum):  # Adasum's optimizer has no ``op``
+        raise ValueError("bytescheduler sums or averages gradients piece by piece; hvd.DistributedOptimizer(op=...) "
+                         "must be hvd.Average or hvd.Sum (Adasum combines whole gradients)")
     if getattr(optimizer, "process_set", hvd.global_process_set) is not hvd.global_process_set:
         raise ValueError("bytescheduler supports Horovod's global process set only")
     return type(optimizer).__bases__[0], int(optimizer.backward_passes_per_step)
+
+
+def _is_horovods(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is an ``hvd.DistributedOptimizer`` (told by its public methods)."""
+    return all(hasattr(optimizer, name) for name in ("set_backward_passes_per_step", "skip_synchronize",
+                                                     "synchronize"))
+
+
+def _reduction(optimizer: torch.optim.Optimizer) -> Tuple[Any, float, float]:
+    """The op, prescale and postscale factors of Horovod's all-reduces for ``optimizer``: what
+    ``hvd.DistributedOptimizer`` passes (``gradient_predivide_factor`` splits an average into
+    a division before the sum and one after); a plain optimizer's gradients are averaged."""
+    if not _is_horovods(optimizer):
+        return hvd.Average, 1.0, 1.0
+    if optimizer.op is not hvd.Average:
+        return optimizer.op, 1.0, 1.0
+    factor = optimizer.gradient_predivide_factor
+    return hvd.Average, 1.0 / factor, factor
 
 
 def _silence(optimizer: torch.optim.Optimizer) -> None:
@@ -426,6 +451,129 @@ def _silence(optimizer: torch.optim.Optimizer) -> None:
     passes = int(optimizer.backward_passes_per_step)
     optimizer.set_backward_passes_per_step(_NEVER)
     optimizer.backward_passes_per_step = passes  # what the user set stays readable
+
+
+class _Backward:
+    """Whether a backward pass produced a gradient since Horovod's optimizer would have last
+    cleared its handles (``step()``, ``synchronize()``, ``load_state_dict()``): ``param`` is set
+    by a gradient hook that is a C call (``functools.partial(setattr, ...)``), not a Python
+    function, so it costs next to nothing per parameter."""
+
+    __slots__ = ("param",)
+
+    def __init__(self) -> None:
+        self.param: Optional[torch.Tensor] = None
+
+
+class _HorovodState:
+    """What the methods of :class:`_HorovodMethods` keep: the flags of Horovod's own optimizer
+    (``synchronized``: ``synchronize()`` was called since the last ``step()``; ``skip``: inside
+    ``skip_synchronize()``) and the backward tracker with its hooks."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.synchronized = False
+        self.skip = False
+        self.backward = _Backward()
+        hook = functools.partial(setattr, self.backward, "param")
+        self.handles = [param.register_post_accumulate_grad_hook(hook)
+                        for group in optimizer.param_groups for param in group["params"] if param.requires_grad]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+class _HorovodMethods:
+    """``hvd.DistributedOptimizer``'s methods beyond torch's, with its warnings and errors, on
+    a ScheduledOptimizer over one (mixed into its class: :func:`_with_horovod_methods`).
+    ``_bytescheduler_horovod`` is the :class:`_HorovodState`."""
+
+    def synchronize(self) -> None:
+        """Wait until every gradient in flight is averaged and every called step's update
+        applied; a ``step()`` after it, outside :meth:`skip_synchronize`, warns (as Horovod's)."""
+        super().synchronize()
+        state = self._bytescheduler_horovod
+        state.synchronized = True
+        state.backward.param = None
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Say that ``step()`` follows a ``synchronize()`` of the user's (no warning then).
+
+        >>> optimizer.synchronize()                                                    # doctest: +SKIP
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)                      # doctest: +SKIP
+        >>> with optimizer.skip_synchronize():                                          # doctest: +SKIP
+        ...     optimizer.step()
+        """
+        state = self._bytescheduler_horovod
+        state.skip = True
+        try:
+            yield
+        finally:
+            state.skip = False
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
+        """Start this step's updates (see the scheduled ``step``); warns as Horovod's does when
+        called after ``synchronize()`` outside :meth:`skip_synchronize`."""
+        state = self._bytescheduler_horovod
+        if state.synchronized and not state.skip:
+            warnings.warn("optimizer.step() after optimizer.synchronize(), outside the optimizer.skip_synchronize() "
+                          "context: hvd.DistributedOptimizer would synchronize a second time here, which slows "
+                          "training; when you call synchronize() yourself, run step() inside "
+                          "`with optimizer.skip_synchronize():`", UserWarning, stacklevel=2)
+        state.synchronized = False
+        state.backward.param = None
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; refused, as Horovod refuses it, between a backward and the
+        ``step()`` or ``synchronize()`` that follows it."""
+        if self._bytescheduler_horovod.backward.param is not None:
+            raise AssertionError("optimizer.zero_grad() after loss.backward() and before optimizer.step() or "
+                                 "optimizer.synchronize() is refused, as hvd.DistributedOptimizer refuses it: the "
+                                 "gradients of that backward are still being averaged. Call step() or synchronize() "
+                                 "first, or zero the gradients before backward()")
+        super().zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's setter; the number is fixed when bytescheduler wraps the optimizer, so only
+        the number in force is accepted."""
+        current = self._bytescheduler.backward_passes_per_step
+        if passes != current:
+            raise ValueError(f"set_backward_passes_per_step({passes!r}): bytescheduler fixes the number of "
+                             f"backward passes per step when it wraps the optimizer (here {current}); to accumulate "
+                             f"over {passes!r}, close() this optimizer and wrap again with "
+                             f"ScheduledOptimizer(..., backward_passes_per_step={passes!r})")
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        state = self._bytescheduler_horovod
+        state.synchronized = state.skip = False
+        state.backward.param = None
+
+    def close(self, wait: bool = True) -> None:
+        try:
+            super().close(wait)
+        finally:
+            self._bytescheduler_horovod.remove()
+
+    @staticmethod
+    def find_duplicates(names):
+        """The names that occur more than once in ``names`` (Horovod's check of ``named_parameters``)."""
+        seen, duplicates = set(), set()
+        for name in names:
+            (duplicates if name in seen else seen).add(name)
+        return duplicates
+
+
+def _with_horovod_methods(wrapped: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``wrapped``, its class now with :class:`_HorovodMethods` first (same name, same
+    ``isinstance``): the returned optimizer has ``hvd.DistributedOptimizer``'s surface."""
+    cls = type(wrapped)
+    wrapped._bytescheduler_horovod = _HorovodState(wrapped)
+    wrapped.__class__ = type(cls.__name__, (_HorovodMethods, cls), {"__doc__": cls.__doc__})
+    return wrapped
 
 
 def ScheduledOptimizer(
@@ -453,10 +601,13 @@ def ScheduledOptimizer(
             (8 MiB pieces, a 16 MiB credit, ``adaptive``: rank 0 runs Horovod's own path
             instead where that is faster). ``merge`` is off: Horovod fuses by itself.
 
-    Returns an instance of the user's optimizer class.
+    Returns an instance of the user's optimizer class; over an ``hvd.DistributedOptimizer``
+    it also has Horovod's methods (``skip_synchronize()``, ``set_backward_passes_per_step``,
+    ...) with Horovod's warnings and errors (:class:`_HorovodMethods`; docs/optimizer.md).
     """
     del num_steps
     init()
+    require_numpy()  # Horovod's allgather_object reads through numpy
     unwrapped = {}
 
     def build():
@@ -467,6 +618,7 @@ def ScheduledOptimizer(
             raise TypeError("this optimizer is already wrapped by bytescheduler: use it as it is "
                             "(wrapping it again would apply every update twice)")
         unwrapped["base"], unwrapped["passes"] = _unwrap(optimizer)
+        unwrapped["reduction"] = _reduction(optimizer)
         check_arguments(model, optimizer, backward_passes_per_step or unwrapped["passes"])
         settings = SchedulerConfig.build(config, defaults=HOROVOD_DEFAULTS, **options).with_options(merge=False)
         check_writable(settings.timeline, hvd.rank())
@@ -479,10 +631,11 @@ def ScheduledOptimizer(
     config = settle(reports, hvd.rank(), failure)
     base, passes = unwrapped["base"], unwrapped["passes"]
     if base is not type(optimizer):  # a Horovod DistributedOptimizer, not a plain torch one
+        optimizer.backward_passes_per_step = backward_passes_per_step or passes  # the number in force
         _silence(optimizer)
     if broadcast_parameters:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    backend = HorovodBackend()
+    backend = HorovodBackend(*unwrapped["reduction"])
     channel = _order_channel(f"{backend.name}.order", config.timeout) if hvd.size() > 1 else None
     scheduler = Scheduler(backend, channel=channel, rank=hvd.rank(), config=config)
     plain = None
@@ -502,12 +655,13 @@ def ScheduledOptimizer(
         return OverlapEngine(
             model, optimizer, base, scheduler, hvd.size(), prescale=False,
             backward_passes_per_step=backward_passes_per_step or passes, timeout=config.timeout,
-            on_close=close, plain=plain,
+            on_close=close, plain=plain, absence=Absence.HOROVOD,
         )
 
     try:
-        return wrap_optimizer(optimizer, base, engine)
+        wrapped = wrap_optimizer(optimizer, base, engine)
     except BaseException:
         scheduler.stop(wait=False)
         backend.close()
         raise
+    return wrapped if base is type(optimizer) else _with_horovod_methods(wrapped)

@@ -23,16 +23,20 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import _JoinConfig
 
 from ..core import SchedulerConfig
 from ..core.timeline import check_writable
 from .adaptive import PlainSetup
-from .errors import check_arguments
+from .buffers import BufferSync
+from .join import JoinSupport, join_methods
+from .errors import check_arguments, refuse_wrapped
 from .overlap import OverlapEngine
 from .plain import FlatReducer, torch_agreement
 from .layout import param_layout
 from .session import TorchSession, agree_settings
 from .sparse import gloo_all_reduce
+from .unused import Absence
 
 # A layer's gradients arrive milliseconds apart in backward; on a fast link each would go
 # out alone, and an operation's fixed cost (Python, gloo's threads, the order message)
@@ -92,7 +96,8 @@ class _ScheduledMethods:
         self.close(wait=exc_type is None)
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, base: type, engine_factory: Callable[[type], OverlapEngine]):
+def wrap_optimizer(optimizer: torch.optim.Optimizer, base: type, engine_factory: Callable[[type], OverlapEngine],
+                   extra: Optional[dict] = None):
     """Return an instance of a subclass of ``base`` that shares ``optimizer``'s attributes.
 
     The subclass is made at run time (as Horovod's DistributedOptimizer is), so
@@ -101,6 +106,7 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, base: type, engine_factory:
     methods = {k: v for k, v in vars(_ScheduledMethods).items() if not k.startswith("__") or k in ("__enter__", "__exit__")}
     methods["step"] = torch.optim.Optimizer.profile_hook_step(_ScheduledMethods.step)  # runs step hooks once per step
     methods["__doc__"] = base.__doc__
+    methods.update(extra or {})
     cls = type(base.__name__, (base,), methods)
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__  # one set of param_groups, state and hooks
@@ -116,6 +122,7 @@ def ScheduledOptimizer(
     process_group: Optional[dist.ProcessGroup] = None,
     backward_passes_per_step: int = 1,
     broadcast_parameters: bool = True,
+    broadcast_buffers: bool = True,
     config: Optional[SchedulerConfig] = None,
     **options: Any,
 ):
@@ -130,6 +137,9 @@ def ScheduledOptimizer(
             communicating (gradient accumulation); a step after fewer passes communicates
             what was accumulated.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
+        broadcast_buffers: as DDP's option of that name (and its default): rank 0's buffers
+            (BatchNorm's running statistics) are copied to every rank before each step's
+            first training forward (:mod:`bytescheduler.pytorch.buffers`).
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
             ``cycle_ms=``, ...; see :class:`bytescheduler.core.SchedulerConfig`, the one place
             they are defined). Unset ones come from the environment or
@@ -139,11 +149,8 @@ def ScheduledOptimizer(
     Returns an instance of ``type(optimizer)``. Call ``close()`` on every rank at the end.
     """
     def build():
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "ScheduledOptimizer takes the plain model, not a DistributedDataParallel wrapper "
-                "(it communicates the gradients itself); for DDP use the scheduled comm hook instead"
-            )
+        if isinstance(model, torch.nn.Module):
+            refuse_wrapped(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
         if hasattr(optimizer, "_bytescheduler"):
@@ -171,18 +178,44 @@ def ScheduledOptimizer(
         plain = PlainSetup(FlatReducer(lane, session.world_size), torch_agreement(lane, session.groups.backend),
                            grad_views=agreed.grad_views, start_plain=agreed.start_plain)
 
+    buffers = None
+    if broadcast_buffers and session.world_size > 1:
+        buffers = BufferSync(model, session.groups.sparse, session.groups.ranks[0], backward_passes_per_step)
+
+    join = None
+    if session.world_size > 1:
+        join = JoinSupport(model, session.groups.sparse, buffers is not None)
+
+    def on_close() -> None:
+        if buffers is not None:
+            buffers.remove()
+        if join is not None:
+            join.remove()
+        session.release()
+
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
             model, optimizer, base, session.scheduler, session.world_size, prescale=True,
             backward_passes_per_step=backward_passes_per_step, timeout=agreed.timeout,
-            on_close=session.release, plain=plain, sparse=gloo_all_reduce(session.groups.sparse),
+            on_close=on_close, plain=plain, sparse=gloo_all_reduce(session.groups.sparse),
+            absence=Absence.DDP if session.world_size > 1 else None,
+            on_step=None if buffers is None else buffers.step_called,
         )
 
     try:
-        return wrap_optimizer(optimizer, type(optimizer), engine)
+        wrapped = wrap_optimizer(optimizer, type(optimizer), engine, join_methods(join))
     except BaseException:
+        if buffers is not None:
+            buffers.remove()
+        if join is not None:
+            join.remove()
         session.close(wait=False)
         raise
+    if join is not None:
+        wrapped._join_config = _JoinConfig.construct_disabled_join_config()
+        join.joinable, join.engine = wrapped, wrapped._bytescheduler
+        wrapped._bytescheduler.round_notice = join.notice
+    return wrapped
 
 
 @torch.no_grad()

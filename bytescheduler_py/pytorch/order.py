@@ -1,8 +1,8 @@
 """Rank 0's order over torch.distributed: a TCP connection, or gloo broadcasts as a fallback.
 
 :func:`connect_order_channel` is collective over a gloo control group. Rank 0 listens on
-every interface and sends, over the control group, the address of its route towards the
-rendezvous host (which every rank reached) with a random token; each other rank connects
+the address of its route towards the rendezvous host (which every rank reached) and sends
+it, over the control group, with a random token; each other rank connects
 (:class:`~bytescheduler.core.tcp_channel.TcpOrderChannel`), and every rank reports whether
 it connected, so all learn at once and use the same channel. A decision then costs a
 socket write, where a gloo broadcast cost each rank ~0.2-0.4 ms of CPU across Python and

@@ -39,6 +39,7 @@ from .heap import raise_malloc_thresholds
 from .params import COMMUNICATED, IDLE, QUEUED, ParamHooks, ParamState
 from .read_guard import ReadGuard, suspended
 from .sparse import Average, SparseParams
+from .unused import Absence, AbsentGradients
 from .updates import Updater, zero_gradient
 
 _WAIT_SLICE = 0.5  # seconds between checks for errors while waiting
@@ -63,6 +64,10 @@ class OverlapEngine:
         sparse: the collective that sums a sparse gradient over the ranks
             (:mod:`bytescheduler.pytorch.sparse`); None: a model with sparse gradients is
             refused with :class:`GradientError`.
+        absence: the rule for a parameter without a gradient on some rank at ``step()``
+            (:mod:`bytescheduler.pytorch.unused`): DDP's or Horovod's; None (one rank
+            alone): such a parameter is left out.
+        on_step: called at the start of every ``step()`` (the buffers' sync counts steps).
     """
 
     def __init__(
@@ -79,6 +84,8 @@ class OverlapEngine:
         on_close: Optional[Callable[[], None]] = None,
         plain: Optional[PlainSetup] = None,
         sparse: Optional[Average] = None,
+        absence: Optional[Absence] = None,
+        on_step: Optional[Callable[[], None]] = None,
     ) -> None:
         check_arguments(model, optimizer, backward_passes_per_step)
         self.scheduler = scheduler
@@ -89,8 +96,15 @@ class OverlapEngine:
         self._optimizer = optimizer
         self._base = base
         self._on_close = on_close
+        self._on_step = on_step
         self._cond = threading.Condition(threading.Lock())
         self._steps_called = 0
+        # finish_backward(): the rounds it ended (the same count on every rank), whether
+        # backward submitted something since, and the step it ended a round for.
+        self.rounds = 0
+        self._round_open = False
+        self._finished_step = 0
+        self.round_notice: Optional[Callable[[], None]] = None  # the join context's (join.py)
         self._latch = ErrorLatch()
         self._closed = False
         self.busy = 0  # parameters not IDLE (the read guard's fast check), under _cond
@@ -101,7 +115,7 @@ class OverlapEngine:
         self.guard_reads = guard_reads
         self.plain = False  # the plain path runs (see adaptive.py)
         self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank, self.states,
-                                                             backward_passes_per_step)
+                                                             backward_passes_per_step, absence=absence)
         self._model = model
         self._module_hooks: List = []  # the modules' forward pre-hooks (scheduled mode only)
         self._hook_modules()
@@ -115,6 +129,7 @@ class OverlapEngine:
         # memory to the kernel each time (see heap.py: ~5,000 page faults per iteration).
         raise_malloc_thresholds()
         self._updates = Updater(self)
+        self._absence = None if absence is None else AbsentGradients(self, absence)
         ReadGuard.attach(self, install=guard_reads)
         if self._switch is not None and self._switch.chooser.mode == PLAIN:
             self._switch.apply(self)  # a plan chose the framework's own path: start on it
@@ -165,6 +180,7 @@ class OverlapEngine:
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
                 return
+            self._round_open = True
         self._submit(state)
 
     def _prepared_gradient(self, state: ParamState) -> Optional[torch.Tensor]:
@@ -189,23 +205,47 @@ class OverlapEngine:
         grad = self._prepared_gradient(state)
         if grad is None:
             return
+        with self._cond:
+            self.queue_gradient(state, grad, self._steps_called + 1)
+        self.schedule(state)
+
+    def queue_gradient(self, state: ParamState, grad: torch.Tensor, step: int) -> None:
+        """Make ``state`` QUEUED for ``step`` with ``grad`` as its task's payload (lock held)."""
         ready = None
         if grad.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(grad.device))
-        task = Task(
+        state.task = Task(
             key=state.key, numel=grad.numel(), itemsize=grad.element_size(), priority=state.priority,
             payload=grad.view(-1), fuse_key=(grad.dtype, grad.device), name=state.name, context=ready,
         )
-        with self._cond:
-            state.grad = grad
-            state.version = grad._version
-            state.task = task
-            state.discard = False
-            state.step_number = self._steps_called + 1
-            self._set_stage(state, QUEUED)
-        future = self.scheduler.submit(task)
+        state.grad = grad
+        state.version = grad._version
+        state.discard = False
+        state.step_number = step
+        self._set_stage(state, QUEUED)
+
+    def schedule(self, state: ParamState) -> None:
+        """Submit ``state``'s queued task; its update follows once it is communicated."""
+        future = self.scheduler.submit(state.task)
         future.add_done_callback(lambda done, state=state: self._on_communicated(state, done))
+
+    def drop_gradients(self, states: List[ParamState]) -> None:
+        """``states`` were queued with zeros that no rank needs (:mod:`.unused`): back to IDLE
+        with no gradient and no update."""
+        with self._cond:
+            with suspended():
+                for state in states:
+                    if state.param.grad is state.grad:
+                        state.param.grad = None
+            for state in states:
+                state.grad = None
+                state.task = None
+                state.zero_request = None
+                if state.step_number <= self._steps_called:  # counted among its step's updates
+                    self._updates.snapshots.take(state.step_number, state.group)
+                self._set_stage(state, IDLE)
+            self._cond.notify_all()
 
     def _on_communicated(self, state: ParamState, done) -> None:
         error = done.exception()
@@ -232,6 +272,8 @@ class OverlapEngine:
     def step(self) -> None:
         """Record this step's hyperparameters; updates follow as gradients arrive."""
         self._latch.raise_if_set()
+        if self._on_step is not None:
+            self._on_step()
         if self.compute_timeline is not None:
             self.compute_timeline.step_called()
         if self._closed:
@@ -242,20 +284,10 @@ class OverlapEngine:
         if self.plain:
             self._switch.plain_step(self)
             return
-        # Gradients not communicated during backward (partial accumulation, parameters that
-        # kept a gradient but were unused this iteration) go now, in key order on every rank.
-        late = [s for s in self.states.values()
-                if not s.sparse and not (s.stage != IDLE and s.step_number > self._steps_called)]
-        dense = sum(1 for s in self.states.values() if not s.sparse)
-        if self._switch is not None and 0 < len(late) < dense:
-            self._switch.irregular = True  # a backward ran, without some parameters
-        for state in late:
-            if state.param.grad is not None:
-                self._submit(state)
+        self.finish_backward()
         self.average_sparse(apply=True)
         with self._cond:
-            self._steps_called += 1
-            step = self._steps_called
+            step = self._steps_called = self._steps_called + 1
             users = sum(1 for s in self.states.values() if s.stage != IDLE and s.step_number == step)
             self._updates.snapshots.record(step, self._optimizer.param_groups, users)
             self._cond.notify_all()
@@ -264,6 +296,76 @@ class OverlapEngine:
         self.scheduler.step_boundary()
         if self._switch is not None:
             self._switch.end_step(self)
+
+    def finish_backward(self, shadow: bool = False) -> None:
+        """The coming step's backward passes are over (``step()``, or the training thread
+        reads a gradient in flight or calls ``synchronize()`` after backward): gradients not
+        communicated during backward (partial accumulation, parameters that kept a gradient
+        but were unused this iteration) go now, in key order on every rank, and parameters
+        without one contribute zeros (:mod:`.unused`). Once per step (again after a
+        ``zero_grad()`` dropped the step's gradients).
+
+        ``shadow``: a rank out of data (:mod:`.join`) takes part in the others' round with
+        zeros for every parameter, whose averages it then drops (it updates nothing)."""
+        step = self._steps_called + 1
+        if self._finished_step == step and not shadow:
+            return
+        if not shadow and self.round_notice is not None:
+            self.round_notice()
+        self._finished_step = step
+        self._round_open = False
+        late = [s for s in self.states.values()
+                if not s.sparse and not (s.stage != IDLE and s.step_number == step)]
+        dense = sum(1 for s in self.states.values() if not s.sparse)
+        if self._switch is not None and 0 < len(late) < dense:
+            self._switch.irregular = True  # a backward ran, without some parameters
+        absent = []
+        for state in late:
+            if state.stage != IDLE:
+                self.wait_readable(state)  # unused since its last step's update, still pending
+            with suspended():
+                kept = state.param.grad is not None and not shadow
+            if kept:
+                self._submit(state)
+            elif self._absence is not None:
+                absent.append(state)
+        with self._cond:
+            round_ = self.rounds + 1
+            if self._absence is not None:
+                self._absence.begin(round_, step, absent, shadow)
+            if shadow:
+                for state in absent:
+                    state.discard = True
+            self.rounds = round_
+        if self._absence is not None:
+            self._absence.send(round_, absent)
+
+    def end_plain_round(self) -> None:
+        """A round on the plain path (its ``step()``): counted, and told to a join context."""
+        if self.round_notice is not None:
+            self.round_notice()
+        self.rounds += 1
+
+    def shadow_round(self) -> None:
+        """This rank is out of data (:mod:`.join`): take part in the others' round with zeros
+        for every gradient, drop the averages and update nothing."""
+        self.zero_grad(set_to_none=True)
+        if self.plain:
+            self._switch.shadow_step(self)
+        else:
+            self.finish_backward(shadow=True)
+            self.scheduler.end_burst()
+            with self._cond:
+                self._wait_locked(lambda: all(s.stage == IDLE for s in self.states.values()), "the others' round")
+            self.zero_grad(set_to_none=True)
+            if self._switch is not None:
+                self._switch.irregular = True
+                self._switch.end_step(self)
+
+    def _backward_unfinished(self) -> bool:
+        """A backward of the coming step communicated something and was not finished yet."""
+        return (self._round_open and self._finished_step != self._steps_called + 1
+                and torch._C._current_graph_task_id() == -1)  # not from a hook inside backward
 
     def average_sparse(self, apply: bool) -> None:
         """Average the sparse gradients now (every rank at the same step); with ``apply``,
@@ -288,6 +390,8 @@ class OverlapEngine:
             for state in discarded:
                 if state.stage == COMMUNICATED:
                     self._set_stage(state, IDLE)
+            if discarded:
+                self._finished_step = 0  # the next backward of this step is a round of its own
             self._wait_locked(lambda: all(s.stage == IDLE for s in discarded), "discarded gradients")
             zero_now = [s for s in self.states.values() if s.stage == IDLE]
         with suspended():
@@ -295,7 +399,10 @@ class OverlapEngine:
                 zero_gradient(state.param, set_to_none)
 
     def synchronize(self) -> None:
-        """Wait for every gradient in flight and every update of the steps called so far."""
+        """Wait for every gradient in flight and every update of the steps called so far
+        (after a backward: its gradients, zeros for those it did not produce included)."""
+        if not self.plain and self._backward_unfinished():
+            self.finish_backward()
         with self._cond:
             self._wait_locked(
                 lambda: all(s.stage == IDLE or (s.stage == COMMUNICATED and s.step_number > self._steps_called)
@@ -308,7 +415,11 @@ class OverlapEngine:
     def wait_if_pending(self, tensor: torch.Tensor, gradient_only: bool) -> None:
         """Block while ``tensor`` is one of our parameters with a pending update (the read guard)."""
         state = self.states.get(id(tensor))
-        if state is not None and state.stage != IDLE:
+        if state is None:
+            return
+        if gradient_only and self._backward_unfinished():
+            self.finish_backward()  # every gradient is read averaged, as after DDP's backward
+        if state.stage != IDLE:
             self.wait_readable(state, gradient_only)
 
     def wait_readable(self, state: ParamState, gradient_only: bool = False) -> None:

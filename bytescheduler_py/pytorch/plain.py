@@ -21,6 +21,7 @@ import torch
 
 from ..core.errors import as_library_error
 from .grad_views import MIN_VIEW_BYTES, split_views
+from .unused import FLAGS_KEY
 
 
 class Reducer(Protocol):
@@ -82,13 +83,21 @@ class PlainPath:
             that a failed collective becomes.
         assign: ``assign(key, view)`` makes ``view`` (the average, in the reducer's buffer)
             that key's gradient, or returns False; None: the reducer copies every average back.
+        zeros: key -> a zero gradient, made the parameter's own, for a parameter without one
+            when ``step()`` finishes the buckets (every rank's buckets then hold the same
+            gradients); None: such a parameter is left out of its bucket.
+        unused: with ``zeros``, called at ``step()`` with the keys no rank had a gradient for
+            (DDP's rule: they keep none): the last bucket carries one flag per key, 1 where
+            this rank had the gradient. None: the zeros stay (Horovod's rule).
 
     Not thread-safe: the training thread (backward's hooks, ``step``) is its only caller.
     """
 
     def __init__(self, buckets: List[List[int]], reducer: Reducer,
                  prepare: Callable[[int], Optional[torch.Tensor]], rank: int = 0,
-                 assign: Optional[Callable[[int, torch.Tensor], bool]] = None) -> None:
+                 assign: Optional[Callable[[int, torch.Tensor], bool]] = None,
+                 zeros: Optional[Callable[[int], torch.Tensor]] = None,
+                 unused: Optional[Callable[[List[int]], None]] = None) -> None:
         self._buckets = [_Bucket(i, keys) for i, keys in enumerate(buckets)]
         self._bucket_of = {key: bucket for bucket in self._buckets for key in bucket.keys}
         self._reducer = reducer
@@ -98,6 +107,11 @@ class PlainPath:
         self._next = 0  # the next bucket to launch
         self._prepared: Dict[int, torch.Tensor] = {}
         self.finished = False  # every bucket averaged during backward (as DDP's end of backward)
+        self._zeros = zeros
+        self._unused = unused if zeros is not None else None
+        self._filled: List[int] = []  # keys given zeros at this step()
+        self._flags: Optional[torch.Tensor] = None  # the last bucket's flags, reused
+        self._keys = 1 + max((key for keys in buckets for key in keys), default=-1)
 
     def taken(self, key: int) -> bool:
         """Whether ``key``'s gradient was taken this iteration (another may not be added to it)."""
@@ -130,10 +144,19 @@ class PlainPath:
                 for key in bucket.keys:
                     if key not in self._prepared:
                         grad = self._prepare(key)
+                        if grad is None and self._zeros is not None:
+                            grad = self._zeros(key)
+                            self._filled.append(key)
                         if grad is not None:
                             self._prepared[key] = grad
                 self._launch(bucket)
             self._wait_all()
+            if self._filled and self._unused is not None:
+                counts = self._flags.tolist()
+                unused = [key for key in self._filled if counts[key] <= 0]
+                if unused:
+                    self._unused(unused)
+            self._filled = []
         for bucket in self._buckets:
             bucket.waiting = set(bucket.keys)
             bucket.launched = False
@@ -144,12 +167,25 @@ class PlainPath:
 
     def _launch(self, bucket: _Bucket) -> None:
         items = [(key, self._prepared[key]) for key in bucket.keys if key in self._prepared]
+        if self._unused is not None and items and bucket.index == len(self._buckets) - 1:
+            items.append((FLAGS_KEY, self._flags_for(items[0][1])))
         try:
             bucket.handle = self._reducer.start(items) if items else None
         except Exception as error:  # noqa: BLE001 - a failed collective: a peer died or the network failed
             raise as_library_error(error, self._rank) from error
         bucket.launched = True
         self._next = bucket.index + 1
+
+    def _flags_for(self, like: torch.Tensor) -> torch.Tensor:
+        """1 for each key this rank has a gradient for, 0 for those given zeros (any dtype
+        holds a sum of 0s and 1s that is positive exactly when one was 1)."""
+        flags = self._flags
+        if flags is None or flags.dtype != like.dtype or flags.device != like.device:
+            flags = self._flags = torch.empty(self._keys, dtype=like.dtype, device=like.device)
+        flags.fill_(1)
+        if self._filled:
+            flags[self._filled] = 0
+        return flags
 
     def wait_launched(self) -> None:
         """Wait for the buckets launched so far (closing between backward and ``step()``)."""
