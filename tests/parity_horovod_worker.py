@@ -51,6 +51,7 @@ def _distributed(model: torch.nn.Module, kind: str, passes: int) -> torch.optim.
 
 def run(scenario: Scenario) -> List[str]:
     rank = hvd.rank()
+    print(f"rank {rank}: scenario {scenario.name}", file=sys.stderr, flush=True)
     theirs = seeded(scenario)
     ours = seeded(scenario)
     baseline = _distributed(theirs, scenario.optimizer, scenario.passes)

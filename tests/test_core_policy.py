@@ -99,6 +99,45 @@ def test_a_later_urgent_task_overtakes_the_queued_pieces_of_an_earlier_one():
     assert shape(policy.decide(now=0.002)) == [(0, [(1, 0, 10)])]
 
 
+def test_an_earlier_iteration_goes_before_any_more_urgent_task_of_a_later_one():
+    # Rank 0 skipped layer 2 in iteration 2: its zeros of iteration 1 are still queued when
+    # iteration 2's more urgent gradients arrive; a rank that uses layer 2 in iteration 2
+    # waits for those zeros before it can join iteration 2's operations.
+    policy = SchedulingPolicy(partition_bytes=10, credit_bytes=10, merge=False)
+    policy.add(task(0, 10, priority=0), now=0.0)
+    first = policy.decide(now=0.0)
+    policy.add(task(2, 20, priority=2), now=0.0)
+    later = [task(0, 10, priority=0), task(1, 10, priority=1)]
+    for t in later:
+        t.iteration = 1
+        policy.add(t, now=0.001)
+    order = []
+    ops = first
+    while ops:
+        finish(policy, ops)
+        ops = policy.decide(now=0.002)
+        order += [(p.task.iteration, p.task.key, p.start) for op in ops for p in op.pieces]
+    assert order == [(0, 2, 0), (0, 2, 10), (1, 0, 0), (1, 1, 0)]
+
+
+def test_a_hold_keeps_later_iterations_back_until_every_hold_is_released():
+    policy = SchedulingPolicy(partition_bytes=100, credit_bytes=1000, merge=True)
+    policy.hold(1)
+    policy.hold(1)
+    now = task(0, 10, priority=5)
+    now.iteration = 1
+    policy.add(now, now=0.0)
+    later = task(1, 10, priority=0)
+    later.iteration = 2
+    policy.add(later, now=0.0)
+    assert shape(policy.decide(now=0.0)) == [(0, [(0, 0, 10)])]  # its own iteration goes, merging nothing later
+    assert not policy.can_launch(now=0.0) and policy.decide(now=0.0) == []
+    assert policy.release(1) is False  # one hold is left
+    assert policy.decide(now=0.0) == []
+    assert policy.release(1) is True
+    assert shape(policy.decide(now=0.0)) == [(0, [(1, 0, 10)])]
+
+
 def test_credit_changes_take_effect_at_once_and_partition_for_new_tasks():
     policy = SchedulingPolicy(partition_bytes=10, credit_bytes=10, merge=False)
     policy.add(task(0, 30), now=0.0)

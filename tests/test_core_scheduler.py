@@ -88,6 +88,26 @@ def test_held_op_then_priority_order(cleanup):
     assert backend.violations == []
 
 
+def test_a_hold_keeps_the_next_iteration_back_until_released(cleanup):
+    backend = cleanup.backend("immediate")
+    s = cleanup.scheduler(backend, partition_bytes=100, credit_bytes=1000, merge=False)
+    s.hold(1)
+    later = make_task(1, 10, priority=0)
+    later.iteration = 2
+    held = s.submit(later)
+    time.sleep(0.2)  # the dispatcher had every chance to launch it
+    assert not held.done() and backend.launched_keys() == []
+    now = make_task(0, 10, priority=9)
+    now.iteration = 1
+    same = s.submit(now)  # what the hold waited for: its own iteration goes
+    same.result(timeout=WAIT)
+    assert backend.launched_keys() == [[0]]
+    s.release(1)
+    held.result(timeout=WAIT)
+    assert backend.launched_keys() == [[0], [1]]
+    s.stop()
+
+
 def test_equal_priorities_are_first_come_first_served(cleanup):
     backend = cleanup.backend("manual", credit=50)
     s = cleanup.scheduler(backend, partition_bytes=20, credit_bytes=50, merge=True)

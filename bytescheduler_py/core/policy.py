@@ -5,6 +5,9 @@ became ready, an operation finished, the burst ended) with the time passed in, a
 answers :meth:`~SchedulingPolicy.decide` with the operations to launch now: pieces of at
 most ``partition_bytes``, most urgent first (priority, then arrival), small neighbours of
 one fuse key merged, admitted under the credit, small or urgent ones on the fast lane.
+Tasks of an earlier training iteration (:attr:`Task.iteration
+<bytescheduler.core.task.Task.iteration>`) go before any of a later one, and a
+:meth:`~SchedulingPolicy.hold` keeps later iterations back until it is released.
 The runtime (:class:`~bytescheduler.core.scheduler.Scheduler`) drives it with real time
 and real completions; tests drive it with a fake clock; a simulator can drive the very
 same object with simulated time.
@@ -60,11 +63,22 @@ class SchedulingPolicy:
         self.cycle_seconds = cycle_seconds
         self.main = CreditWindow(credit_bytes)
         self.fast: Optional[CreditWindow] = CreditWindow(fast_lane_bytes) if lanes > 1 and fast_lane_bytes > 0 else None
-        # (priority, arrival, a task's pieces not yet decided): tuples compare in C, arrival is
-        # unique. One entry per task, its pieces cut as they go: the order is that of one
-        # entry per piece (a task's pieces share its priority and arrive together), at one
-        # heap operation per task instead of two per piece.
-        self._heap: List[Tuple[float, int, "_Queued"]] = []
+        # (iteration, priority, arrival, a task's pieces not yet decided): tuples compare in
+        # C, arrival is unique. One entry per task, its pieces cut as they go: the order is
+        # that of one entry per piece (a task's pieces share its priority and arrive
+        # together), at one heap operation per task instead of two per piece.
+        #
+        # The iteration comes first: a rank's next forward waits for the parameters it uses,
+        # and only for those. A parameter rank 0 does not use in iteration i+1 (a skipped
+        # branch) may still be queued from iteration i when rank 0's gradients of i+1 arrive;
+        # another rank that uses it cannot get to its own gradients of i+1 before it is
+        # averaged. Were i+1's more urgent pieces to go first, they would fill the credit
+        # with operations that rank can never join. Where every rank uses every parameter,
+        # all of iteration i is done before any gradient of i+1 exists, so this order costs
+        # nothing there.
+        self._heap: List[Tuple[int, float, int, "_Queued"]] = []
+        # iteration -> holds (see hold()); later iterations wait while one is held
+        self._holds: Dict[int, int] = {}
         self._arrivals = 0
         self._op_ids = 0
         self.queued_bytes = 0
@@ -89,7 +103,7 @@ class SchedulingPolicy:
             self._arrivals += 1
             nbytes = numel * task.itemsize
             step = numel if nbytes <= self.partition_bytes else max(1, self.partition_bytes // task.itemsize)
-            heapq.heappush(self._heap, (task.priority, self._arrivals, _Queued(task, step, now)))
+            heapq.heappush(self._heap, (task.iteration, task.priority, self._arrivals, _Queued(task, step, now)))
             self.queued_bytes += nbytes
         return (begins and self.cycle_seconds > 0) or self.can_launch(now)
 
@@ -100,6 +114,25 @@ class SchedulingPolicy:
             self._main_priorities.pop(op.op_id, None)  # kept (by decide) only with a fast lane
         else:
             self.fast.in_flight -= op.nbytes
+
+    def hold(self, iteration: int) -> None:
+        """More of ``iteration`` is coming that nothing of this rank's queue shows yet (e.g.
+        tensors decided only once a collective of that iteration is back): launch nothing of a
+        later iteration until :meth:`release`. Holds count: each needs its release."""
+        self._holds[iteration] = self._holds.get(iteration, 0) + 1
+
+    def release(self, iteration: int) -> bool:
+        """End one :meth:`hold` of ``iteration``; True when the queue may go further now."""
+        count = self._holds.get(iteration, 0) - 1
+        if count > 0:
+            self._holds[iteration] = count
+            return False
+        self._holds.pop(iteration, None)
+        return bool(self._heap)
+
+    def _held_beyond(self) -> Optional[int]:
+        """The last iteration that may launch now; None when nothing is held."""
+        return min(self._holds) if self._holds else None
 
     def end_burst(self) -> bool:
         """No more tasks are coming soon: stop holding what is queued. True if that changed anything."""
@@ -115,6 +148,7 @@ class SchedulingPolicy:
     def clear(self) -> None:
         """Forget queued work and operations in flight (after a failure)."""
         self._heap.clear()
+        self._holds.clear()
         self.queued_bytes = 0
         self._main_priorities.clear()
 
@@ -130,7 +164,7 @@ class SchedulingPolicy:
     @property
     def queued(self) -> int:
         """How many pieces wait in the queue."""
-        return sum(-(-(entry.task.numel - entry.start) // entry.step) for _, _, entry in self._heap)
+        return sum(-(-(entry.task.numel - entry.start) // entry.step) for *_, entry in self._heap)
 
     def window(self, lane: int) -> CreditWindow:
         """The credit window of ``lane``."""
@@ -154,7 +188,10 @@ class SchedulingPolicy:
         """True when :meth:`decide` would return an operation now."""
         if not self._heap or self.hold_remaining(now) > 0:
             return False
-        first = self._heap[0][2]
+        first = self._heap[0][3]
+        limit = self._held_beyond()
+        if limit is not None and first.task.iteration > limit:
+            return False
         nbytes = first.next_bytes()
         window, _, _ = self._lane_for(first.task.priority, nbytes)
         return window.admits(nbytes)
@@ -201,10 +238,13 @@ class SchedulingPolicy:
         priorities = self._main_priorities
         op_id = self._op_ids
         last_id = op_id + most if most is not None else -1
+        held_beyond = self._held_beyond()
         decided = 0
         while heap and op_id != last_id:
-            entry = heap[0][2]
+            entry = heap[0][3]
             task = entry.task
+            if held_beyond is not None and task.iteration > held_beyond:
+                break
             numel = task.numel
             start = entry.start
             stop = start + entry.step
@@ -231,9 +271,10 @@ class SchedulingPolicy:
                     room = limit
                 # A piece that fills the room leaves none for a neighbour (pieces are never empty).
                 while total < room and heap:
-                    candidate = heap[0][2]
+                    candidate = heap[0][3]
                     size = total + candidate.next_bytes()
-                    if candidate.task.fuse_key != fuse_key or size > room:
+                    if candidate.task.fuse_key != fuse_key or size > room or (
+                            held_beyond is not None and candidate.task.iteration > held_beyond):
                         break
                     if merged is None:
                         merged = [first]
@@ -271,7 +312,7 @@ class _Queued:
         task = self.task
         return (min(self.start + self.step, task.numel) - self.start) * task.itemsize
 
-    def take(self, heap: List[Tuple[float, int, "_Queued"]]) -> Piece:
+    def take(self, heap: List[Tuple[int, float, int, "_Queued"]]) -> Piece:
         """Cut the next piece (this entry is the heap's top); pop the entry after its last."""
         start = self.start
         numel = self.task.numel

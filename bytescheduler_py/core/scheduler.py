@@ -197,6 +197,21 @@ class Scheduler:
             with self._lock:
                 self._decider.providers[key] = provider
 
+    def hold(self, iteration: int) -> None:
+        """Rank 0 will submit more tasks of ``iteration`` that it cannot submit yet (they
+        follow from a collective still in flight): launch nothing of a later iteration until
+        :meth:`release`. A follower launches what rank 0 decides: a no-op there."""
+        if self._leader:
+            with self._lock:
+                self._decider.hold(iteration)
+
+    def release(self, iteration: int) -> None:
+        """End a :meth:`hold` of ``iteration`` (after submitting what it waited for)."""
+        if self._leader:
+            with self._lock:
+                if self._decider.release(iteration) and self._sleepers:
+                    self._cond.notify_all()
+
     def poke(self) -> None:
         """Something a provider depends on changed: let the dispatcher look again."""
         with self._lock:

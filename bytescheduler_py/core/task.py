@@ -107,6 +107,10 @@ class Task:
         the core never looks inside it.
     fuse_key: tasks with equal, non-None fuse keys may be merged into one operation
         (e.g. same dtype and device); None means never merge.
+    iteration: the training iteration the tensor belongs to, counted alike on every rank
+        (set after construction; 0 for adapters that do not count): rank 0 launches every
+        task of an earlier iteration before any of a later one
+        (:class:`~bytescheduler.core.policy.SchedulingPolicy`).
     """
 
     __slots__ = (
@@ -123,6 +127,7 @@ class Task:
         "_name",
         "context",
         "writes",
+        "iteration",
     )
 
     def __init__(
@@ -151,6 +156,7 @@ class Task:
         # In-place writes the backend made to the payload besides communicating into it
         # (e.g. copying a fused result back): adapters compare tensor versions with it.
         self.writes = 0
+        self.iteration = 0
 
     @property
     def nbytes(self) -> int:

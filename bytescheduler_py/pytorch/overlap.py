@@ -219,6 +219,9 @@ class OverlapEngine:
             key=state.key, numel=grad.numel(), itemsize=grad.element_size(), priority=state.priority,
             payload=grad.view(-1), fuse_key=(grad.dtype, grad.device), name=state.name, context=ready,
         )
+        # The round this gradient belongs to (the same count on every rank): rank 0 launches
+        # a round's gradients before any of the next (see core/policy.py).
+        state.task.iteration = self.rounds + 1
         state.grad = grad
         state.version = grad._version
         state.discard = False

@@ -107,6 +107,9 @@ class AbsentGradients:
         elif states:
             flags = self._flags(round_, self._reported.pop(round_))
             payload = flags.payload
+            # The zeros the flags call for belong to this round: nothing of the next may go
+            # before them (another rank's next forward may wait for them).
+            scheduler.hold(round_)
             scheduler.submit(flags).add_done_callback(lambda done: self._leader_outcome(round_, payload, done))
 
     # ------------------------------------------------------------------ the flags
@@ -120,7 +123,7 @@ class AbsentGradients:
             flags[torch.tensor([s.key for s in absent], dtype=torch.long, device=device)] = 0
         task = Task(key=FLAGS_KEY, numel=flags.numel(), itemsize=4, priority=-1, payload=flags,
                     fuse_key=None, name="unused-parameter flags")  # alone: see the fence
-        task.generation = round_
+        task.generation = task.iteration = round_
         return task
 
     def _follower_flags(self, round_: int) -> Optional[Task]:
@@ -143,13 +146,16 @@ class AbsentGradients:
     def _leader_outcome(self, round_: int, flags: torch.Tensor, done: Any) -> None:
         """Rank 0: schedule the zeros of the parameters some rank used; drop the others."""
         states = self._absent.pop(round_)
-        if done.exception() is not None:
-            return  # the engine learns the scheduler's error from the scheduler
-        unused = self._unused(flags, states)
-        self._drop(unused)
-        for state in states:
-            if state not in unused:
-                self._engine.schedule(state)
+        try:
+            if done.exception() is not None:
+                return  # the engine learns the scheduler's error from the scheduler
+            unused = self._unused(flags, states)
+            self._drop(unused)
+            for state in states:
+                if state not in unused:
+                    self._engine.schedule(state)
+        finally:
+            self._engine.scheduler.release(round_)
 
     def _follower_outcome(self, round_: int, flags: torch.Tensor, done: Any) -> None:
         """Another rank: withdraw the stand-ins no rank used (those rank 0 will not schedule)."""
