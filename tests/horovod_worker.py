@@ -468,7 +468,18 @@ def scenario_bad() -> None:
     else:
         errors["twice"] = None
         twice.close()
+    # hvd.join() while a ScheduledOptimizer is open: refused on the rank that calls it, before
+    # it joins (rank 0 keeps going: nothing waits for rank 1's join).
+    if hvd.rank() == 1:
+        try:
+            hvd.join()
+        except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
+            errors["join"] = {"type": type(error).__name__, "message": str(error)}
+        else:
+            errors["join"] = None
     once.close()
+    # Every ScheduledOptimizer closed on every rank: Horovod's own join again.
+    errors["join-after-close"] = {"last": hvd.join(), "restored": hvd.join is bsc._horovods_join}
     # A second backward before step() without backward_passes_per_step: an error on Horovod's
     # own path too (its hooks would all-reduce the summed gradient again), naming the fix.
     model, make_batch = fresh_model("tiny")

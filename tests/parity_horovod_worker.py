@@ -35,7 +35,7 @@ SCENARIOS: List[Scenario] = [
     Scenario("horovod-unused-plain", plan="all-ranks", ours=_HOROVOD_PLAIN),
     Scenario("horovod-unused-accumulated", plan="all-ranks", passes=2, ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-experts", model="experts", optimizer="adamw", ours=_HOROVOD_SCHEDULED),
-    Scenario("horovod-experts-switching", model="experts"),
+    Scenario("horovod-experts-switching", model="experts", steps=28),  # see experts-switching
     Scenario("horovod-tied-weights", model="tied", optimizer="adam", ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-two-dtypes", model="two-dtypes", ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-checkpoint", optimizer="adam", checkpoint=True, ours=_HOROVOD_SCHEDULED),

@@ -120,6 +120,21 @@ def test_an_earlier_iteration_goes_before_any_more_urgent_task_of_a_later_one():
     assert order == [(0, 2, 0), (0, 2, 10), (1, 0, 0), (1, 1, 0)]
 
 
+def test_no_operation_merges_two_iterations():
+    # The zeros of iteration 1 for a layer rank 0 skipped, and iteration 2's gradients: another
+    # rank can submit some of iteration 2's only after iteration 1's are averaged there, so an
+    # operation holding both could never complete on it.
+    policy = SchedulingPolicy(partition_bytes=100, credit_bytes=1000, merge=True)
+    zeros = task(4, 10, priority=2)
+    zeros.iteration = 1
+    policy.add(zeros, now=0.0)
+    for key in (0, 1):
+        later = task(key, 10, priority=key)
+        later.iteration = 2
+        policy.add(later, now=0.0)
+    assert shape(policy.decide(now=0.0)) == [(0, [(4, 0, 10)]), (0, [(0, 0, 10), (1, 0, 10)])]
+
+
 def test_a_hold_keeps_later_iterations_back_until_every_hold_is_released():
     policy = SchedulingPolicy(partition_bytes=100, credit_bytes=1000, merge=True)
     policy.hold(1)

@@ -258,6 +258,18 @@ def test_unsupported_settings_raise_clear_value_errors():
             assert word in error["message"].lower(), (rank, case, error)
 
 
+def test_hvd_join_while_a_scheduled_optimizer_is_open_is_a_clear_error_and_works_after_close():
+    results = _bad()
+    error = results[1]["errors"]["join"]
+    assert error is not None, "hvd.join() with a ScheduledOptimizer open was accepted"
+    assert error["type"] == "JoinUnsupported", error
+    assert "rank 1" in error["message"] and "drop_last=True" in error["message"], error
+    for rank, result in results.items():
+        after = result["errors"]["join-after-close"]
+        assert after["restored"], f"rank {rank}: hvd.join is still bytescheduler's after close()"
+        assert after["last"] in (0, 1), (rank, after)
+
+
 def test_sparse_gradients_are_refused_at_construction_with_the_fix():
     for rank, result in _bad().items():
         error = result["errors"]["sparse"]

@@ -17,6 +17,7 @@ from .errors import (
     CommunicationError,
     CommunicationTimeout,
     ErrorLatch,
+    InternalError,
     MismatchError,
     SchedulerClosed,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Done",
     "ErrorLatch",
     "Follower",
+    "InternalError",
     "LocalOrderHub",
     "MismatchError",
     "Operation",

@@ -75,7 +75,8 @@ class SchedulingPolicy:
         # averaged. Were i+1's more urgent pieces to go first, they would fill the credit
         # with operations that rank can never join. Where every rank uses every parameter,
         # all of iteration i is done before any gradient of i+1 exists, so this order costs
-        # nothing there.
+        # nothing there. For the same reason no operation merges two iterations: that rank
+        # could join the operation only after it completed.
         self._heap: List[Tuple[int, float, int, "_Queued"]] = []
         # iteration -> holds (see hold()); later iterations wait while one is held
         self._holds: Dict[int, int] = {}
@@ -266,6 +267,7 @@ class SchedulingPolicy:
             total = nbytes
             fuse_key = task.fuse_key
             if merge and fuse_key is not None:
+                iteration = task.iteration
                 room = window.capacity - in_flight
                 if room > limit:
                     room = limit
@@ -273,8 +275,9 @@ class SchedulingPolicy:
                 while total < room and heap:
                     candidate = heap[0][3]
                     size = total + candidate.next_bytes()
-                    if candidate.task.fuse_key != fuse_key or size > room or (
-                            held_beyond is not None and candidate.task.iteration > held_beyond):
+                    # One operation holds one iteration: a rank may be able to submit the
+                    # next iteration's tensors only once this one's are averaged (see _heap).
+                    if candidate.task.fuse_key != fuse_key or size > room or candidate.task.iteration != iteration:
                         break
                     if merged is None:
                         merged = [first]

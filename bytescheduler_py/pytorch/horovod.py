@@ -29,6 +29,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,7 +43,7 @@ from ..core.agreement import attempt, settle
 from ..core.backend import Done
 from ..core.call_thread import CallThread
 from ..core.config import parse_bool
-from ..core.errors import CommunicationTimeout, as_library_error
+from ..core.errors import ByteSchedulerError, CommunicationTimeout, as_library_error
 from ..core.modes import STOP
 from ..core.ordering import read_frame
 from ..core.tcp_channel import TcpOrderChannel, connect
@@ -75,6 +76,55 @@ _ORDER_NAMES = 256
 # Creating a ScheduledOptimizer is collective, so backends are numbered alike on every rank:
 # the number keeps the Horovod tensor names of two optimizers (e.g. a GAN's) apart.
 _backend_ids = itertools.count()
+
+
+class JoinUnsupported(ByteSchedulerError):
+    """``hvd.join()`` was called while a ScheduledOptimizer is open (see :class:`_JoinGuard`)."""
+
+
+class _JoinGuard:
+    """While a ScheduledOptimizer over Horovod is open, ``hvd.join`` raises
+    :class:`JoinUnsupported` on the rank that calls it, before it joins: rank 0 orders every
+    all-reduce of the scheduled path, so a joined rank 0 would leave the others waiting
+    for its order, and a joined rank could not follow it (Horovod, under the joined rank's
+    Python thread, then crashed the process). Horovod's own ``join`` is back once every
+    ScheduledOptimizer is closed."""
+
+    def __init__(self) -> None:
+        self._open: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._horovods: Optional[Callable[..., Any]] = None
+        self._lock = threading.Lock()
+
+    def opened(self, owner: Any) -> None:
+        """A ScheduledOptimizer opened; ``owner`` stands for it (its backend) until :meth:`closed`."""
+        with self._lock:
+            self._open.add(owner)
+            if self._horovods is None:
+                self._horovods = hvd.join
+                hvd.join = self.join
+
+    def closed(self, owner: Any) -> None:
+        with self._lock:
+            self._open.discard(owner)
+            if not self._open and self._horovods is not None:
+                hvd.join, self._horovods = self._horovods, None
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """``hvd.join`` while the guard is on: refused if a ScheduledOptimizer is open."""
+        with self._lock:
+            horovods, still_open = self._horovods, len(self._open) > 0
+        if still_open:
+            raise JoinUnsupported(
+                f"rank {hvd.rank()}: hvd.join() is not supported while a bytescheduler ScheduledOptimizer is "
+                "open: rank 0 orders every all-reduce of the schedule, so a rank that joins can neither give "
+                "nor follow that order. Give every rank the same number of steps (e.g. "
+                "DistributedSampler(..., drop_last=True)), or train uneven inputs with hvd.DistributedOptimizer "
+                "alone; hvd.join() works again once every rank has called close() on its ScheduledOptimizers")
+        return (horovods or _horovods_join)(*args, **kwargs)
+
+
+_horovods_join = hvd.join
+_join_guard = _JoinGuard()
 
 
 def init() -> None:
@@ -650,6 +700,7 @@ def ScheduledOptimizer(
                 channel.close()  # a Horovod channel waits for its broadcasts: not after an abandon
         finally:
             backend.close()
+            _join_guard.closed(backend)
 
     def engine(base: type) -> OverlapEngine:
         return OverlapEngine(
@@ -658,10 +709,12 @@ def ScheduledOptimizer(
             on_close=close, plain=plain, absence=Absence.HOROVOD,
         )
 
+    _join_guard.opened(backend)
     try:
         wrapped = wrap_optimizer(optimizer, base, engine)
     except BaseException:
         scheduler.stop(wait=False)
         backend.close()
+        _join_guard.closed(backend)
         raise
     return wrapped if base is type(optimizer) else _with_horovod_methods(wrapped)
