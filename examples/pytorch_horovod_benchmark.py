@@ -4,7 +4,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/pytorch_horovod_benchmark.py --model vgg --no-bytescheduler
 
 As in ByteScheduler's own benchmark, the script is a Horovod script plus two lines:
-``bsc.init()`` and ``optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps)``.
+``bsc.init()`` and ``optimizer = bsc.ScheduledOptimizer(model, optimizer)``.
 Horovod moves the bytes; bytescheduler decides which gradient pieces go when and applies
 each parameter's update as soon as it is averaged. The baseline is
 ``hvd.DistributedOptimizer`` alone. Runs on CPU (or on GPUs when CUDA is available;
@@ -51,10 +51,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     if not args.no_bytescheduler:
-        num_steps = args.num_warmup_batches + args.num_iters * args.num_batches_per_iter
-        optimizer = bsc.ScheduledOptimizer(
-            model, optimizer, num_steps, partition_bytes=args.partition,
-        )
+        optimizer = bsc.ScheduledOptimizer(model, optimizer, partition_bytes=args.partition)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     x, y = make_batch(args.batch_size, torch.Generator().manual_seed(rank))

@@ -808,6 +808,18 @@ def scenario_surface() -> None:
         backward_passes_per_step=3, adaptive=False)
     surface["override_passes"] = override.backward_passes_per_step
     override.close()
+    # The original API's num_steps: accepted, ignored, deprecated with a FutureWarning.
+    import warnings
+
+    steps_model, _ = fresh_model("tiny")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_steps = bsc.ScheduledOptimizer(steps_model, hvd.DistributedOptimizer(
+            make_optimizer("sgd", steps_model), named_parameters=steps_model.named_parameters()), 100,
+            adaptive=False)
+    with_steps.close()
+    surface["num_steps_warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                     if "num_steps" in str(w.message)]
     report(scenario="surface", runs=runs, surface=surface)
 
 

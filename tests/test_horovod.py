@@ -530,3 +530,6 @@ def test_horovods_attributes_setter_and_helper():
         assert message and "backward_passes_per_step=3" in message and "close()" in message, message
         # ScheduledOptimizer(backward_passes_per_step=3) over Horovod's default of 1: the attribute says 3.
         assert surface["override_passes"] == 3, surface
+        # ScheduledOptimizer(model, optimizer, num_steps), as the original: one FutureWarning naming the fix.
+        found = surface["num_steps_warnings"]
+        assert len(found) == 1 and found[0].startswith("FutureWarning") and "drop the argument" in found[0], found

@@ -418,7 +418,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "the spread of the bench itself)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up iterations per system")
     parser.add_argument("--iters", type=int, default=3, help="iterations per timed block")
-    parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (blocks per system)")
+    parser.add_argument("--blocks", "--rounds", dest="rounds", type=int, default=8, metavar="N",
+                        help="timed blocks per system, the systems alternating block by block")
     parser.add_argument("--lead-in", type=int, default=0, metavar="ITERS",
                         help="measure the steady state: ITERS untimed iterations start each block, and the "
                         "timed span ends with the last timed iteration, its pending communication waited for "
@@ -438,7 +439,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="seconds each framework's job(s) may take before they are killed")
     parser.add_argument("--out", default="bench-results", help="folder for results, tables and charts")
     parser.add_argument("--quick", action="store_true",
-                        help="loopback, small model, few rounds, torch systems only: the README's demo "
+                        help="loopback, small model, few blocks, torch systems only: the README's demo "
                         "(about 2 minutes)")
     args = parser.parse_args(argv)
     if args.quick:

@@ -157,8 +157,7 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
                 continue
             import bytescheduler.pytorch.horovod as bsc
 
-            num_steps = args.warmup + args.rounds * (args.lead_in + args.iters)  # the original API's argument (ignored)
-            optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps, timeline=timeline, **options)
+            optimizer = bsc.ScheduledOptimizer(model, optimizer, timeline=timeline, **options)
             systems[name] = Scheduled(name, model, optimizer, make_batch, **common)
         else:
             raise ValueError(f"unknown system {name!r}")

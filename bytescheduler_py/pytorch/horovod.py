@@ -4,7 +4,7 @@
 >>> import bytescheduler.pytorch.horovod as bsc                                   # doctest: +SKIP
 >>> bsc.init()                                                                    # doctest: +SKIP
 >>> optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())  # doctest: +SKIP
->>> optimizer = bsc.ScheduledOptimizer(model, optimizer, num_steps)               # doctest: +SKIP
+>>> optimizer = bsc.ScheduledOptimizer(model, optimizer)                          # doctest: +SKIP
 
 Horovod moves the bytes (``allreduce_async_`` on each piece); bytescheduler decides which
 pieces go when (priority, partition, credit) and applies each parameter's update as soon
@@ -641,8 +641,9 @@ def ScheduledOptimizer(
         model: the model whose parameters the optimizer trains.
         optimizer: an ``hvd.DistributedOptimizer`` (its class, hyperparameters, state and
             ``backward_passes_per_step`` are kept) or a plain torch optimizer.
-        num_steps: accepted for the original API and ignored: nothing needs to know when
-            training ends (call ``close()``).
+        num_steps: deprecated, ignored (the original API's): nothing needs to know when
+            training ends; call ``close()`` at the end. Given, it warns once
+            (``FutureWarning``); it will be removed.
         backward_passes_per_step: defaults to the Horovod optimizer's.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank first.
         config, **options: the scheduler's options (``partition_bytes=``, ``credit_bytes=``,
@@ -655,7 +656,11 @@ def ScheduledOptimizer(
     it also has Horovod's methods (``skip_synchronize()``, ``set_backward_passes_per_step``,
     ...) with Horovod's warnings and errors (:class:`_HorovodMethods`; docs/optimizer.md).
     """
-    del num_steps
+    if num_steps is not None:
+        warnings.warn(
+            "bytescheduler.pytorch.horovod.ScheduledOptimizer: num_steps is deprecated and ignored (nothing needs "
+            "to know when training ends; call optimizer.close() at the end); drop the argument",
+            FutureWarning, stacklevel=2)
     init()
     require_numpy()  # Horovod's allgather_object reads through numpy
     unwrapped = {}
