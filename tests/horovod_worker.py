@@ -468,8 +468,10 @@ def scenario_bad() -> None:
     else:
         errors["twice"] = None
         twice.close()
-    # hvd.join() while a ScheduledOptimizer is open: refused on the rank that calls it, before
-    # it joins (rank 0 keeps going: nothing waits for rank 1's join).
+    # hvd.join() while two ScheduledOptimizers are open: refused on the rank that calls it,
+    # before it joins (rank 0 keeps going: nothing waits for rank 1's join).
+    second_model, _ = fresh_model("tiny")
+    second = bsc.ScheduledOptimizer(second_model, torch.optim.SGD(second_model.parameters(), lr=0.1))
     if hvd.rank() == 1:
         try:
             hvd.join()
@@ -477,6 +479,9 @@ def scenario_bad() -> None:
             errors["join"] = {"type": type(error).__name__, "message": str(error)}
         else:
             errors["join"] = None
+    second.close()
+    # With one open, every rank joins (no step taken: nothing to take part in).
+    errors["join-one-open"] = {"last": hvd.join(), "ours": hvd.join is not bsc._horovods_join}
     once.close()
     # Every ScheduledOptimizer closed on every rank: Horovod's own join again.
     errors["join-after-close"] = {"last": hvd.join(), "restored": hvd.join is bsc._horovods_join}

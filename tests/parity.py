@@ -184,7 +184,8 @@ class Scenario:
     schedule: bool = False  # a StepLR schedule
     channels_last: bool = False
     steps: int = STEPS
-    join: str = ""  # uneven inputs under Join: "first" (rank 0 runs out first) or "last"
+    join: str = ""  # uneven inputs under Join: "first" (rank 0 runs out first), "last", or "even" (as many steps)
+    epochs: int = 1  # Horovod: epochs of uneven inputs, each ending in hvd.join()
 
 
 def steps_of(scenario: Scenario, rank: int, world_size: int) -> int:
@@ -237,19 +238,22 @@ def seeded(scenario: Scenario) -> nn.Module:
 
 def run_loop(scenario: Scenario, rank: int, model: nn.Module, forward: nn.Module, optimizer: Any,
              synchronize: Callable[[], None], no_sync: Optional[Callable[[], Any]] = None,
-             after_backward: Optional[Callable[[], None]] = None) -> List[float]:
+             after_backward: Optional[Callable[[], None]] = None, world_size: Optional[int] = None) -> List[float]:
     """Train ``forward`` (``model`` itself or its wrapper) with ``optimizer``; the losses.
 
     ``no_sync``: the framework's way to accumulate without communicating (DDP's context
     manager) for all but the last of ``passes`` backward passes; ``after_backward``: run
-    before ``step()`` (Horovod's ``synchronize`` before clipping)."""
+    before ``step()`` (Horovod's ``synchronize`` before clipping); ``world_size``: for the
+    steps of a rank under ``join``, where torch.distributed is not initialised (Horovod)."""
     import contextlib
 
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5) if scenario.schedule else None
     losses: List[float] = []
     import torch.distributed as dist
 
-    steps = steps_of(scenario, rank, dist.get_world_size() if dist.is_initialized() else 1)
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    steps = steps_of(scenario, rank, world_size)
     for step in range(steps):
         if scenario.set_to_none:
             optimizer.zero_grad()  # Horovod's takes no argument

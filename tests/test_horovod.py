@@ -258,13 +258,15 @@ def test_unsupported_settings_raise_clear_value_errors():
             assert word in error["message"].lower(), (rank, case, error)
 
 
-def test_hvd_join_while_a_scheduled_optimizer_is_open_is_a_clear_error_and_works_after_close():
+def test_hvd_join_with_two_scheduled_optimizers_open_is_a_clear_error_and_with_one_joins():
     results = _bad()
     error = results[1]["errors"]["join"]
-    assert error is not None, "hvd.join() with a ScheduledOptimizer open was accepted"
+    assert error is not None, "hvd.join() with two ScheduledOptimizers open was accepted"
     assert error["type"] == "JoinUnsupported", error
     assert "rank 1" in error["message"] and "drop_last=True" in error["message"], error
     for rank, result in results.items():
+        joined = result["errors"]["join-one-open"]
+        assert joined["ours"] and joined["last"] in (0, 1), (rank, joined)
         after = result["errors"]["join-after-close"]
         assert after["restored"], f"rank {rank}: hvd.join is still bytescheduler's after close()"
         assert after["last"] in (0, 1), (rank, after)

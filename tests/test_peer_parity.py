@@ -207,26 +207,44 @@ def _horovod_names() -> List[str]:
     return [s.name for s in SCENARIOS]
 
 
-@pytest.fixture(scope="module")
-def horovod_table():
+def _horovod_tables(ranks: int, args: List[str], deadline: float) -> List[Dict[str, List[str]]]:
+    """The worker's tables of ``ranks`` ranks under horovodrun (``args``: its arguments)."""
     import subprocess
 
     from tests.test_horovod import BIN, ROOT, _communicate, _env, results
 
-    command = [os.path.join(BIN, "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-               HOROVOD_WORKER]
+    command = [os.path.join(BIN, "horovodrun"), "-np", str(ranks), "-H", f"localhost:{ranks}", "--gloo",
+               sys.executable, HOROVOD_WORKER, *args]
     process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
-    stdout, stderr = _communicate(process, 300, "the Horovod parity table")
+    stdout, stderr = _communicate(process, deadline, "the Horovod parity table")
     assert process.returncode == 0, f"exit code {process.returncode}\n{stdout[-4000:]}\n{stderr[-4000:]}"
     found = results(stdout)
-    assert sorted(found) == [0, 1], stdout[-4000:]
-    return [found[0]["table"], found[1]["table"]]
+    assert sorted(found) == list(range(ranks)), stdout[-4000:]
+    return [found[rank]["table"] for rank in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def horovod_table():
+    return _horovod_tables(2, [], 300)
 
 
 @pytest.mark.parametrize("name", _horovod_names())
 def test_scheduled_optimizer_gives_horovods_numbers(horovod_table, name):
     _assert_row(horovod_table, name)
+
+
+HOROVOD_MANY_RANKS = ["horovod-unused-one-rank", "horovod-unused-all-ranks", "horovod-unused-rank0",
+                      "horovod-experts-switching", "horovod-join-rank0-first", "horovod-join-last-first",
+                      "horovod-join-plain", "horovod-join-switching", "horovod-join-unused", "horovod-join-epochs"]
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_horovod_unused_parameters_and_join_on_more_ranks(ranks):
+    """Within 1e-6 (Horovod's fusion and our pieces sum more than two ranks in different orders)."""
+    tables = _horovod_tables(ranks, ["--tolerance=1e-6", *HOROVOD_MANY_RANKS], 300)
+    for name in HOROVOD_MANY_RANKS:
+        _assert_row(tables, name)
 
 
 def _join_refusals(rank: int, world_size: int) -> List[str]:

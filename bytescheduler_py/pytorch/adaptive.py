@@ -111,6 +111,10 @@ class BucketRoute:
     def finish(self) -> bool:
         return self.path.finish()
 
+    def shadow(self) -> None:
+        """A round without gradients (a rank out of data): every bucket goes with zeros."""
+        self.path.finish()
+
     def close(self) -> None:
         self.path.wait_launched()
 
@@ -176,6 +180,13 @@ class HookRoute:
         self._queued = False
         self._passes_seen = 0
         return True
+
+    def shadow(self) -> None:
+        """A round without gradients (a rank out of data): the framework's ``synchronize``
+        all-reduces zeros for every parameter without one."""
+        self._queued = False
+        self._passes_seen = 0
+        self._hooks.finish()
 
     def close(self) -> None:
         try:
@@ -245,7 +256,7 @@ class ModeSwitch:
         with suspended():
             for state in engine.states.values():
                 state.param.grad = None
-            self.route.finish()
+            self.route.shadow()
             for state in engine.states.values():
                 state.param.grad = None
         self.irregular = True

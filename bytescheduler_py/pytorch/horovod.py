@@ -29,7 +29,6 @@ import queue
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -43,7 +42,7 @@ from ..core.agreement import attempt, settle
 from ..core.backend import Done
 from ..core.call_thread import CallThread
 from ..core.config import parse_bool
-from ..core.errors import ByteSchedulerError, CommunicationTimeout, as_library_error
+from ..core.errors import CommunicationTimeout, as_library_error
 from ..core.modes import STOP
 from ..core.ordering import read_frame
 from ..core.tcp_channel import TcpOrderChannel, connect
@@ -56,6 +55,7 @@ from .layout import param_layout
 from .errors import check_arguments
 from .groups import require_numpy
 from .horovod_hold import Held
+from .horovod_join import JoinGuard, JoinUnsupported, ShadowJoin  # noqa: F401 - JoinUnsupported is public here
 from .overlap import OverlapEngine
 from .unused import Absence
 
@@ -78,53 +78,8 @@ _ORDER_NAMES = 256
 _backend_ids = itertools.count()
 
 
-class JoinUnsupported(ByteSchedulerError):
-    """``hvd.join()`` was called while a ScheduledOptimizer is open (see :class:`_JoinGuard`)."""
-
-
-class _JoinGuard:
-    """While a ScheduledOptimizer over Horovod is open, ``hvd.join`` raises
-    :class:`JoinUnsupported` on the rank that calls it, before it joins: rank 0 orders every
-    all-reduce of the scheduled path, so a joined rank 0 would leave the others waiting
-    for its order, and a joined rank could not follow it (Horovod, under the joined rank's
-    Python thread, then crashed the process). Horovod's own ``join`` is back once every
-    ScheduledOptimizer is closed."""
-
-    def __init__(self) -> None:
-        self._open: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._horovods: Optional[Callable[..., Any]] = None
-        self._lock = threading.Lock()
-
-    def opened(self, owner: Any) -> None:
-        """A ScheduledOptimizer opened; ``owner`` stands for it (its backend) until :meth:`closed`."""
-        with self._lock:
-            self._open.add(owner)
-            if self._horovods is None:
-                self._horovods = hvd.join
-                hvd.join = self.join
-
-    def closed(self, owner: Any) -> None:
-        with self._lock:
-            self._open.discard(owner)
-            if not self._open and self._horovods is not None:
-                hvd.join, self._horovods = self._horovods, None
-
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        """``hvd.join`` while the guard is on: refused if a ScheduledOptimizer is open."""
-        with self._lock:
-            horovods, still_open = self._horovods, len(self._open) > 0
-        if still_open:
-            raise JoinUnsupported(
-                f"rank {hvd.rank()}: hvd.join() is not supported while a bytescheduler ScheduledOptimizer is "
-                "open: rank 0 orders every all-reduce of the schedule, so a rank that joins can neither give "
-                "nor follow that order. Give every rank the same number of steps (e.g. "
-                "DistributedSampler(..., drop_last=True)), or train uneven inputs with hvd.DistributedOptimizer "
-                "alone; hvd.join() works again once every rank has called close() on its ScheduledOptimizers")
-        return (horovods or _horovods_join)(*args, **kwargs)
-
-
 _horovods_join = hvd.join
-_join_guard = _JoinGuard()
+_join_guard = JoinGuard(_horovods_join)
 
 
 def init() -> None:
@@ -339,10 +294,8 @@ class _Synchronizer:
     it with a deadline.
 
     ``synchronize`` waits in C++ (polling between yields, the GIL released) and has no
-    deadline. The training thread used to poll the same handles from Python with a deadline
-    first; measured with each process pinned, that tied with ``synchronize`` (the 3% it once
-    read was a benchmark script's unpinned Horovod thread: docs/benchmarks.md, twenty-fifth
-    round), but this way the wait is Horovod's own loop by construction. The training thread
+    deadline. Polling the same handles from Python with a deadline measured the same, with
+    each process pinned, but this way the wait is Horovod's own loop by construction. The training thread
     sleeps on the call's future while this thread waits, which keeps the core busy (no idle
     wake-up); the hand-over costs two thread switches per step. When the deadline passes, the
     training thread raises; this thread stays in ``synchronize`` (a stalled peer may still come
@@ -385,7 +338,7 @@ class HorovodHooks:
     averaged, as on our buckets). Launching the same all-reduces from our hooks (behind Horovod's
     silenced ones) and waiting for them in our last gradient hook cost 3-4% of an iteration more
     than Horovod on cnn-small at 1 Gbit/s, where Horovod keeps the cores 100% busy; this path
-    costs 1-2% (docs/benchmarks.md, eighteenth round).
+    costs 1-2%.
 
     One thing is ours: ``synchronize`` (which would wait for a stalled peer forever) runs on a
     thread of its own (:class:`_Synchronizer`) while the training thread waits for it with the
@@ -722,4 +675,5 @@ def ScheduledOptimizer(
         backend.close()
         _join_guard.closed(backend)
         raise
+    _join_guard.ready(backend, ShadowJoin(wrapped._bytescheduler, f"{backend.name}.join", config.timeout, _wait_for))
     return wrapped if base is type(optimizer) else _with_horovod_methods(wrapped)

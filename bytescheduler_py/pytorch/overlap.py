@@ -105,6 +105,7 @@ class OverlapEngine:
         self._round_open = False
         self._finished_step = 0
         self.round_notice: Optional[Callable[[], None]] = None  # the join context's (join.py)
+        self.shadowed = 0  # shadow rounds run (join.py, horovod_join.py)
         self._latch = ErrorLatch()
         self._closed = False
         self.busy = 0  # parameters not IDLE (the read guard's fast check), under _cond
@@ -349,9 +350,16 @@ class OverlapEngine:
             self.round_notice()
         self.rounds += 1
 
+    @property
+    def steps_taken(self) -> int:
+        """The steps this rank took part in: ``step()`` calls and shadow rounds (the same
+        count on every rank between steps)."""
+        return self._steps_called + self.shadowed
+
     def shadow_round(self) -> None:
-        """This rank is out of data (:mod:`.join`): take part in the others' round with zeros
-        for every gradient, drop the averages and update nothing."""
+        """This rank is out of data (:mod:`.join`, :mod:`.horovod_join`): take part in the
+        others' round with zeros for every gradient, drop the averages and update nothing."""
+        self.shadowed += 1
         self.zero_grad(set_to_none=True)
         if self.plain:
             self._switch.shadow_step(self)
