@@ -9,7 +9,7 @@ VENV_MXNET ?= .venv-mxnet
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup horovod mxnet demo test test-frameworks microbench docker docker-test clean
+.PHONY: setup horovod mxnet demo test test-frameworks microbench results docker docker-test clean
 
 $(BIN)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ mxnet: $(VENV_MXNET)/bin/.installed
 
 demo: setup
 	$(BIN)/bytescheduler bench --quick --out bench-results/quick
+
+# docs/benchmarks.md's grid: every scheduled system on every bench model at every rate, each
+# cell a bench run, then one table (docs/bench/grid/summary.md). As root (the shaped links need
+# network namespaces); about 2.5 hours on a 2-core machine, with nothing else running.
+results: setup $(BIN)/.horovod mxnet
+	PYTHON_BIN=$(BIN) bash scripts/bench_matrix.sh docs/bench/grid
 
 # Every test: the main suite, the MXNet suite, then the Docker images (docker-test, below).
 test: test-frameworks docker-test

@@ -12,7 +12,7 @@ turns).
     bytescheduler bench ... --out DIR        # writes DIR/traces/<system>.rank{0,1}.json
     python scripts/link_idle.py DIR/traces/scheduled.rank0.json DIR/traces/scheduled.rank1.json
 
-A measurement for docs/benchmarks.md (twenty-third round), not a test.
+A measurement for docs/benchmarks.md ("Where VGG-like's gain stops"), not a test.
 """
 
 from __future__ import annotations

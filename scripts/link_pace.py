@@ -8,7 +8,7 @@ released) or with pure Python (the GIL held). Rank 0 prints the median of each v
 
     python scripts/link_pace.py --bandwidth 1gbit --rounds 5
 
-A measurement for docs/benchmarks.md (twenty-third round), not a test.
+A measurement for docs/benchmarks.md ("Where VGG-like's gain stops"), not a test.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ of ``--iters`` iterations. ScheduledOptimizer first runs the mode switch's own t
 it has chosen (or, with ``--start-plain``, starts on the plain path); its hold is made long
 enough that no re-trial falls in the measured blocks. Rank 0 prints the median wall time and
 training-thread CPU time of forward, backward, step and the whole iteration, per system, and
-the path ScheduledOptimizer ran. docs/benchmarks.md (ninth round) quotes its output.
+the path ScheduledOptimizer ran.
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """How the Horovod adapter waits for an operation: never letting the core idle on Horovod's own path.
 
 Horovod's ``synchronize`` polls between yields and never sleeps; sleeping lets the VM's core
-idle and costs the wake-up (docs/benchmarks.md, tenth round: 8% of an MLP iteration at
+idle and costs the wake-up (8% of an MLP iteration at
 2 Gbit/s, where one all-reduce lasts longer than the 50 ms our other waits spin). Our bucket
 reducer's waits spin the same way (Horovod's ``poll`` replaced by a clock here); on Horovod's
 own hooks its ``synchronize`` itself runs, on a thread of ours, while the training thread keeps

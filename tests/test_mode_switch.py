@@ -269,7 +269,7 @@ def test_a_schedule_that_a_retrial_switched_to_must_lead_again_or_the_plain_path
 
     # The next re-trial (ending at step 41) is a tie: a schedule held since one short re-trial
     # has not shown itself faster twice, so the plain path runs (before: the schedule stayed,
-    # and stays for good where it was 5% slower, docs/benchmarks.md's twenty-sixth round).
+    # and stays for good where it was 5% slower, in simulated trainings).
     chooser, verdicts = run(tie_from=31)
     assert verdicts[1:3] == [(31, SCHEDULED, True), (41, PLAIN, False)], verdicts
     assert chooser.mode == PLAIN
@@ -381,7 +381,7 @@ def test_pipelined_steps_are_timed_in_pairs():
 
 
 def test_a_pattern_longer_than_two_steps_is_timed_by_the_pace_of_whole_trial_phases():
-    # Horovod + ScheduledOptimizer, VGG-like at 1 Gbit/s (2026-11-26, round15/vgg-1gbit): the
+    # Horovod + ScheduledOptimizer, VGG-like at 1 Gbit/s: the
     # schedule's steps repeat a long one every three or four, so pairs of steps still spread
     # 1.19-1.61 s; by medians of pairs it led Horovod's steady path by 7% against a margin
     # of 10% (a tie: Horovod's path ran until a re-trial 70 steps later, 0.99x in that run).

@@ -296,7 +296,7 @@ def trace_block(round_index: int, rounds: int, iters: int, steady: Optional[int]
     switch modes (a re-trial) and a block that kept one mode was traced already: with
     6 rounds of 10 iterations, the second look at a first choice (50 steps on) lands in the
     last block, whose timeline then showed the re-trial of the framework's own path instead of
-    the chosen schedule (twentieth round, 2026-11-28). So an earlier block is traced too when
+    the chosen schedule. So an earlier block is traced too when
     it is the last that fits in the current hold; the charts draw the last block traced.
     """
     if round_index == rounds - 1:

@@ -321,8 +321,7 @@ def choose_grain(rate: float, servers: int, credit_bytes: int = 64 * 1024**2) ->
     Sub-keys cost a request and a server update each per step and win where the link is slow
     (the servers return a large layer's first parts while the rest is pushed): on 2 servers
     4 MiB ones measured 0.99-1.09x of ``dist_sync`` at 1 Gbit/s and 0.92x on CPU-bound
-    loopback, where whole keys measured 0.98x and 1.01-1.03x (docs/benchmarks.md, twelfth and
-    thirteenth rounds). Whole keys (:data:`COARSE_GRAIN_BYTES`, every key of the bench's
+    loopback, where whole keys measured 0.98x and 1.01-1.03x. Whole keys (:data:`COARSE_GRAIN_BYTES`, every key of the bench's
     models) only on 1-2 servers: from 4 servers on, the simulator predicts grains finer than
     4 MiB winning even at 12.6 Gbit/s (docs/simulator.md, "The grain and the number of servers").
 

@@ -73,66 +73,54 @@ def _other(mode: str) -> str:
 class ModeChooser:
     """Which path runs each step: trials of both, a hold of the faster, short re-trials.
 
+    Each rule below answers a way a shared machine's noise misled an earlier rule; the
+    measurements behind them are in docs/design.md ("The mode switch").
+
     Args:
         warmup: steps before the first trial (first iterations are slow), in the scheduled mode.
             Its end is a decision point: rank 0 sets the trials' length from the warm-up's
             step times, so a trial lasts at least ``trial_seconds``.
         settle: steps after each switch, and after each decision point reached on the
             scheduled path, that are not timed: both drain the scheduled path, and the step
-            after a drain waits for nothing of the step before it (a scheduled step right
-            after one measured half as long as the next ones, 2026-11-26).
+            after a drain waits for nothing of the step before it (it is short).
         trial: timed steps per trial phase, at least (at most ``max_trial``).
         pairs: at most this many (scheduled, plain) trial pairs; after each pair, a
             difference larger than ``clear`` decides at once if it is also larger than the
             noise (otherwise the next pair is timed, and the samples of all pairs pool).
-        hold: steps the faster path runs before the slower one is tried again (a re-trial of
-            it, :attr:`retrial` steps, then as many of the held path again: the re-trial is
-            compared with the held path's steps just before and just after it, so a machine
-            that slows down or speeds up meanwhile weighs on both sides; the held path stays
-            unless the re-trial's is faster beyond the noise, except a schedule that a
-            re-trial switched to: at the next re-trial it must lead again, or a tie goes to
-            the plain path); doubled each time the re-trial confirms the choice, up to
-            ``max_hold``. Every hold (also ``verify_hold`` and
-            ``max_hold``) is given for re-trials of ``min_retrial`` steps: where the warm-up
-            makes trials, and so re-trials, longer (fast steps: ``trial_seconds`` takes more
-            of them), the holds grow in proportion, so a re-trial of the slower path stays as
-            small a share of the steps (ScheduledOptimizer on cnn-small, 17 ms steps: re-trials
-            of 22 steps after holds of 50 and 200 put 7% of a bench's timed steps on a schedule
-            20% slower, 1.5% of its time, 2026-11-28). A first choice by a
-            difference larger than ``decisive`` (a fraction of the slower path's step) and than
-            the noise holds ``clear_hold`` times as long (a re-trial of a much slower path costs
-            the most, and its verdict is least in doubt). Any other first choice is looked at
-            again after ``verify_hold`` steps (at most ``hold``): trial pairs timed back to back
-            on a shared machine can be wrong by 15% (ResNet at 2 Gbit/s chose a schedule 6%
-            slower than DDP, 2026-11-26), and a second look costs little where the paths are
-            close.
+        hold: steps the faster path runs before the slower one is tried again: a re-trial of
+            it (``min_retrial`` steps at least), then as many of the held path again. The
+            re-trial is compared with the held path's steps just before and just after it, so
+            a machine that slows down or speeds up meanwhile weighs on both sides; the held
+            path stays unless the re-trial's is faster beyond the noise, except a schedule
+            that a re-trial switched to: at its next re-trial it must lead again, or a tie
+            goes to the plain path. Doubled each time a re-trial confirms the choice, up to
+            ``max_hold``. Every hold (``verify_hold`` and ``max_hold`` too) is given for
+            re-trials of ``min_retrial`` steps: where the warm-up makes trials, and so
+            re-trials, longer (fast steps), the holds grow in proportion, so a re-trial of
+            the slower path stays as small a share of the steps. A first choice by a
+            difference larger than ``decisive`` (a fraction of the slower path's step) and
+            than the noise holds ``clear_hold`` times as long; any other first choice is
+            looked at again after ``verify_hold`` steps (at most ``hold``): trial pairs timed
+            back to back can be wrong, and a second look costs little where paths are close.
         margin: the scheduled path is kept only when its median step is faster than the
             plain path's by more than this fraction, and by more than the measured noise
             (two and a half standard errors of the medians; both taken over pairs of
-            consecutive steps, :func:`_paired`): ties, and differences the
-            samples cannot tell apart, go to the cheaper, plain path. After all ``pairs`` trial
-            pairs, the pace of whole trial phases (:meth:`_paced`) also decides: a path whose
-            every phase beats the other's next to it, beyond the phases' noise, wins; where the
+            consecutive steps, :func:`_paired`): ties, and differences the samples cannot
+            tell apart, go to the cheaper, plain path. After all ``pairs`` trial pairs, the
+            pace of whole trial phases (:meth:`_paced`) also decides: a path whose every
+            phase beats the other's next to it, beyond the phases' noise, wins; where the
             two readings disagree, the plain path runs.
         clear: a difference this large (and beyond the noise) decides after one trial pair,
-            once each path has at least ``min_clear_samples`` timed steps (fewer are too noisy
-            to decide early: four steps per path chose a schedule 5% slower, 2026-11-26).
-            Where the warm-up makes a trial at least twice ``min_retrial`` steps long (fast
-            steps), each trial goes as two or three shorter phases a side, alternating (up to
-            ``pairs`` times as many pairs), and an early decision also needs three pairs
-            whose phases' pace (:meth:`_paced`) agrees: the machine's noise comes in runs of
-            slow steps (cnn-small: 15 or 20 ms a step, several of each in a row), which one
-            long phase a side can catch on one side only (the hook on cnn-small chose its
-            schedule on a 12% lead after one pair of 31-step phases; the blocks then measured
-            it 0.98x, 2026-11-28).
+            once each path has at least ``min_clear_samples`` timed steps. Where the warm-up
+            makes a trial at least twice ``min_retrial`` steps long (fast steps), each trial
+            goes as two or three shorter phases a side, alternating (up to ``pairs`` times as
+            many pairs), and an early decision also needs three pairs whose phases' pace
+            (:meth:`_paced`) agrees: the machine's slow steps come in runs, which one long
+            phase a side can catch on one side only.
         min_retrial: a re-trial, and the held path's steps after it, last at least this many
             steps (else ``trial``), so both sides are timed in pairs (:func:`_paired`); and it
             switches only when the other path's lead is beyond the noise of each side taken
-            alone (at first choices the two sides' noise is averaged). Re-trials of four steps
-            switched on leads of 4-10% that the blocks did not show: the held side's paired
-            steps happened to agree closely (two of four pairs equal), which set a margin
-            smaller than the re-trial's own spread (DDP + hook and ScheduledOptimizer,
-            2026-11-26; ScheduledOptimizer 0.95x of DDP in the demo after one).
+            alone (at first choices the two sides' noise is averaged).
         start: :data:`SCHEDULED` (times both paths first) or :data:`PLAIN`: start with a hold
             of the plain path, as if it had been chosen (a plan's advice, ``start_plain``);
             it counts as the first choice.
@@ -328,14 +316,11 @@ class ModeChooser:
             winner, told_apart, _ = self._verdict(samples, each_side=True)
             if not told_apart:
                 # A re-trial looks for a change: the held path, chosen on evidence, stays unless
-                # the other is faster beyond the noise (a tie used to go to the plain path, and a
-                # 14% faster schedule, its pipelined steps 0.9-1.4 s, lost a re-trial to DDP's
-                # steady 1.32 s and the plain path ran for 200 steps, 2026-11-26). A schedule
+                # the other is faster beyond the noise (a pipelined schedule's steps spread
+                # widely, and on a tie it lost to a steadier but slower plain path). A schedule
                 # held only since one re-trial of a few steps switched to it is not such a
-                # choice: it must lead again, or the plain path runs (with the machine's slow
-                # steps coming in runs, an eight-step re-trial can catch one on the held side;
-                # the schedule then stayed for good, 5% slower in 3-7% of simulated trainings,
-                # twenty-sixth round).
+                # choice: it must lead again, or the plain path runs (an eight-step re-trial can
+                # catch a run of slow steps on the held side).
                 winner = PLAIN if self._tentative else self.mode  # tentative: the schedule is held
             self._note("re-trial", samples, winner, told_apart, False)
             return _CHOICE[winner]

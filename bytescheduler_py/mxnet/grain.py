@@ -4,8 +4,8 @@ The grain (the size of the sub-keys large keys become on the servers, :mod:`.key
 at the first ``init``: the servers keep each key's value and optimizer state. Sub-keys cost
 every step a request and a server update each, CPU that the servers often take from the
 workers' own cores, and they win where the link is slow: a server updates and returns the
-first part of a large layer while the rest is still being pushed. Measured on 2 workers
-(docs/benchmarks.md, twelfth and thirteenth rounds): 4 MiB sub-keys 0.99-1.09x of
+first part of a large layer while the rest is still being pushed. Measured on 2 workers:
+4 MiB sub-keys 0.99-1.09x of
 ``dist_sync`` on the VGG-like model at 1 Gbit/s, where 64 MiB (MXNet's own keys) is 0.98x;
 on the CPU-bound MLP on loopback 0.92x, where 64 MiB is 0.99x. No grain wins both.
 

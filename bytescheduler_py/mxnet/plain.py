@@ -180,7 +180,7 @@ class StoreAgreement:
 # engine again, so the second step after a switch is also off: in eight bench runs (VGG-like,
 # MLP; loopback, 1 and 2 Gbit/s) the first timed step of a scheduled trial was up to 50%
 # shorter than the trial's others and that of a plain trial up to 70% longer, which once
-# decided a re-trial (docs/benchmarks.md, thirteenth round). The third step is steady.
+# decided a re-trial. The third step is steady.
 SETTLE_STEPS = 2
 
 # On a hold of the plain path the pacing stops until this many steps before the first one
@@ -241,8 +241,8 @@ class StoreModes:
         timed but its last few (the re-trial's reference), and there the wait only held the
         training thread back where an unwrapped store lets it run ahead of MXNet's engine.
         On vgg-small at 2 Gbit/s (the plain path from the first step, whole keys) the store
-        read 0.92x and 0.96x of ``dist_sync`` paced, 1.07x and 1.08x not (docs/benchmarks.md,
-        twenty-first round). The scheduled path is paced on every step.
+        read 0.92x and 0.96x of ``dist_sync`` paced, 1.07x and 1.08x not. The scheduled path
+        is paced on every step.
         """
         return not self.plain or self.driver.chooser.unread_steps <= PACE_AHEAD
 

@@ -20,8 +20,7 @@ fraction of the step, standard deviation) that comes in runs: each step's noise 
 ``correlation`` of the one before, as on this shared machine, where slow steps come
 several in a row.
 
-``python -m bytescheduler.sim.choosing`` prints the table of docs/benchmarks.md (the
-twenty-sixth round).
+``python -m bytescheduler.sim.choosing`` prints the table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
