@@ -405,3 +405,28 @@ def test_report_shows_where_the_cpu_goes():
     assert "| ScheduledOptimizer | 900 | 400/400 | 12/12 | 30/30 | 0/0 | 5/5 | 40 / 90 |" in table, table
     assert "| DDP default |" in table.split("CPU per iteration")[0]  # DDP has no profile: no CPU row
     assert "ScheduledOptimizer: bytescheduler-dispatch 4.5, bytescheduler-update 7.5." in table, table
+
+
+def test_the_demo_says_how_to_see_the_win_where_no_link_can_be_shaped(capsys, tmp_path):
+    from bytescheduler.bench.runner import QUICK_SHAPED, quick_shaped
+
+    assert quick_shaped(str(tmp_path), False, "not root") == 0
+    said = capsys.readouterr().out
+    assert "No shaped link here (not root)" in said and "--cap-add NET_ADMIN" in said
+    assert "bytescheduler bench " + " ".join(QUICK_SHAPED) in said
+    assert not os.listdir(tmp_path)  # nothing ran
+
+
+def test_the_demo_finds_a_shaped_link_here_and_runs_its_first_part_on_it(monkeypatch, capsys, tmp_path):
+    from bytescheduler.bench import runner
+
+    # Root with iproute2 (as CI): the probe really makes a shaped testbed, and leaves nothing.
+    before = _namespaces()
+    assert runner.shaping_problem() is None
+    assert _namespaces() == before
+    ran = []
+    monkeypatch.setattr(runner, "main", lambda argv: ran.append(argv) or 0)
+    assert runner.quick_shaped(str(tmp_path), True, None) == 0
+    assert ran == [[*runner.QUICK_SHAPED, "--out", str(tmp_path / "1gbit"), "--no-pin"]]
+    said = capsys.readouterr().out
+    assert said.index("Part 1 of 2: a 1 Gbit/s link") < said.index("Part 2 of 2: loopback")

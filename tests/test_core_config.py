@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 
-from bytescheduler.core import Scheduler, SchedulerConfig, parse_size
+from bytescheduler.core import Scheduler, SchedulerConfig
+from bytescheduler.core.config import parse_size
 from tests.fakes import WAIT, FakeBackend, make_task
 
 ENV_NAMES = [

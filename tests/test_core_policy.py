@@ -14,7 +14,9 @@ from typing import List, Tuple
 
 import pytest
 
-from bytescheduler.core import Follower, MismatchError, Operation, SchedulingPolicy, Task
+from bytescheduler.core import MismatchError, Operation, Task
+from bytescheduler.core.follower import Follower
+from bytescheduler.core.policy import SchedulingPolicy
 from bytescheduler.core.ledger import Ledger
 from bytescheduler.core.ordering import read_frame, to_frames
 

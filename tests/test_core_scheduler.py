@@ -14,13 +14,13 @@ import pytest
 from bytescheduler.core import (
     CommunicationError,
     CommunicationTimeout,
-    LocalOrderHub,
     MismatchError,
     Scheduler,
     SchedulerClosed,
     Task,
-    partition_ranges,
 )
+from bytescheduler.core.ordering import LocalOrderHub
+from bytescheduler.core.partition import partition_ranges
 from tests.fakes import WAIT, FakeBackend, make_task, scheduler_threads
 
 

@@ -8,7 +8,9 @@ from collections import defaultdict
 
 import pytest
 
-from bytescheduler.core import LocalOrderHub, Scheduler, Timeline, timeline_path
+from bytescheduler.core import Scheduler, Timeline
+from bytescheduler.core.ordering import LocalOrderHub
+from bytescheduler.core.timeline import timeline_path
 from tests.fakes import WAIT, FakeBackend, make_task
 
 

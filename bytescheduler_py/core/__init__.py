@@ -9,51 +9,38 @@
 """
 
 from .backend import Backend, Done
-from .config import SchedulerConfig, parse_size
-from .credit import CreditWindow
+from .config import SchedulerConfig
 from .errors import (
     ByteSchedulerError,
     CallbackError,
     CommunicationError,
     CommunicationTimeout,
-    ErrorLatch,
     InternalError,
     MismatchError,
     SchedulerClosed,
 )
-from .follower import Follower
-from .ordering import LocalOrderHub, OrderChannel
-from .partition import partition_ranges
-from .policy import SchedulingPolicy
-from .scheduler import Scheduler, State
+from .scheduler import Scheduler
 from .task import Operation, Piece, Task, TaskFuture
-from .timeline import Timeline, timeline_path
+from .timeline import Timeline
 
+# What a user of the core needs: a Scheduler over a Backend of one's own (its launch() gets
+# Operations of Pieces of Tasks), its options, its timeline and its errors. The rest is
+# imported from its module (bytescheduler.core.policy, .follower, .ordering, ...).
 __all__ = [
     "Backend",
     "ByteSchedulerError",
     "CallbackError",
     "CommunicationError",
     "CommunicationTimeout",
-    "CreditWindow",
     "Done",
-    "ErrorLatch",
-    "Follower",
     "InternalError",
-    "LocalOrderHub",
     "MismatchError",
     "Operation",
-    "OrderChannel",
     "Piece",
     "Scheduler",
     "SchedulerClosed",
     "SchedulerConfig",
-    "SchedulingPolicy",
-    "State",
     "Task",
     "TaskFuture",
     "Timeline",
-    "parse_size",
-    "partition_ranges",
-    "timeline_path",
 ]

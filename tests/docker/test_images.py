@@ -65,13 +65,34 @@ def test_image_has_the_cpu_torch_and_its_framework(image):
         assert done.returncode == 0 and done.stdout.split() == ["1.9.1", "1.23.5"], report(done)
 
 
+DEMO_ROWS = ("compute only (no communication)", "DDP default", "DDP + scheduled hook", "ScheduledOptimizer")
+
+
 @pytest.mark.timeout(420)
 def test_pytorch_image_runs_the_readme_demo_by_default():
+    # Without the capabilities no link can be shaped: the demo says how to see the win, then
+    # runs on loopback.
     done = docker_run("pytorch", timeout=400)
     assert done.returncode == 0, report(done)
-    for row in ("compute only (no communication)", "DDP default", "DDP + scheduled hook", "ScheduledOptimizer"):
+    assert "No shaped link here" in done.stdout and "--cap-add NET_ADMIN" in done.stdout, report(done)
+    assert "Part 1 of 2" not in done.stdout, report(done)
+    for row in DEMO_ROWS:
         assert re.search(rf"^\| {re.escape(row)} \| \d+\.\d+ \|", done.stdout, re.M), report(done)
     assert "Command: `bytescheduler bench --quick`" in done.stdout, report(done)
+
+
+@pytest.mark.timeout(420)
+def test_pytorch_images_demo_with_the_capabilities_runs_1gbit_first_then_loopback():
+    done = docker_run("pytorch", "bytescheduler", "bench", "--quick", options=SHAPING_CAPABILITIES, timeout=400)
+    assert done.returncode == 0, report(done)
+    first, _, second = done.stdout.partition("Part 2 of 2")
+    assert "Part 1 of 2" in first and second, report(done)
+    assert "2 network namespaces, veth links shaped to 1gbit each way" in first, report(done)
+    assert "Command: `bytescheduler bench --bandwidth 1gbit --model vgg-small" in first, report(done)
+    assert "Command: `bytescheduler bench --quick`" in second, report(done)
+    for part in (first, second):
+        for row in DEMO_ROWS:
+            assert re.search(rf"^\| {re.escape(row)} \| \d+\.\d+ \|", part, re.M), report(done)
 
 
 # Per image: the systems of its framework, the table rows they make, how the job measures the
