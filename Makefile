@@ -11,11 +11,12 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup horovod mxnet demo test test-frameworks microbench results docker docker-test clean
 
-$(BIN)/.installed: setup.py
+# The library (.) and beside it bytescheduler-tools (tools/: the benchmark, the demo, the simulator).
+$(BIN)/.installed: setup.py tools/setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test]" -e ./tools
 	touch $@
 
 setup: $(BIN)/.installed
@@ -30,7 +31,7 @@ $(BIN)/.horovod: $(BIN)/.installed scripts/install_horovod.sh
 horovod: $(BIN)/.horovod
 
 # The script does nothing when the environment already works and setup.py is unchanged.
-$(VENV_MXNET)/bin/.installed: setup.py scripts/install_mxnet.sh
+$(VENV_MXNET)/bin/.installed: setup.py tools/setup.py scripts/install_mxnet.sh
 	PYTHON="$(PYTHON)" bash scripts/install_mxnet.sh $(VENV_MXNET)
 	touch $@
 

@@ -25,15 +25,14 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.9",
     package_dir={"bytescheduler": "bytescheduler_py"},
-    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch", "bytescheduler.bench", "bytescheduler.mxnet",
-              "bytescheduler.sim"],
+    # The library alone: the benchmark, the demo and the simulator are bytescheduler-tools (tools/).
+    packages=["bytescheduler", "bytescheduler.core", "bytescheduler.pytorch", "bytescheduler.mxnet"],
     package_data={"bytescheduler": ["py.typed"]},
     # torch.distributed's and Horovod's object collectives, which set the schedulers up, read
     # through numpy, and the MXNet adapter imports it; MXNet's own numpy pin satisfies this.
     install_requires=["numpy"],
     extras_require={
         "torch": ["torch>=2.1"],
-        "bench": ["torch>=2.1", "matplotlib"],
         # Horovod 0.28.1 ships only as an sdist that needs build settings an extra cannot carry:
         # `make horovod` (scripts/install_horovod.sh) builds and installs it, then this is met.
         "horovod": ["torch>=2.1", "horovod>=0.28.1"],

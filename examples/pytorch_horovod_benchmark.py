@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import bytescheduler.pytorch.horovod as bsc
-from bytescheduler.bench.models import MODELS, build
+from synthetic import MODELS, build  # examples/synthetic.py: torch only
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bytescheduler.pytorch as bsp
-from bytescheduler.bench.models import MODELS, build
+from synthetic import MODELS, build  # examples/synthetic.py: torch only
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import bytescheduler.pytorch.horovod as bsh
-from bytescheduler.bench.models import build
+from bytescheduler_tools.bench.models import build
 
 
 def main() -> None:

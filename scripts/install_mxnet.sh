@@ -47,11 +47,12 @@ EOF
 # setup.py's hash at the last editable install: a changed setup.py (a new package or console
 # command) needs the editable install again, even when everything still imports.
 STAMP="$VENV/.bytescheduler-setup-py.sha256"
-setup_hash() { sha256sum setup.py | cut -d' ' -f1; }
+setup_hash() { cat setup.py tools/setup.py | sha256sum | cut -d' ' -f1; }
 editable_install() {
-    log "installing bytescheduler (editable, no torch)"
-    # --no-deps: its one requirement, numpy, is installed at MXNet's pin; its test extra would pull in torch.
-    "$PY" -m pip install --quiet --no-deps -e .
+    log "installing bytescheduler and bytescheduler-tools (editable, no torch)"
+    # --no-deps: the library's one requirement, numpy, is installed at MXNet's pin; its test extra
+    # and the tools' requirements would pull in torch (the bench's MXNet workers need none).
+    "$PY" -m pip install --quiet --no-deps -e . -e ./tools
     setup_hash >"$STAMP"
 }
 

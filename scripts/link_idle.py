@@ -21,8 +21,8 @@ import argparse
 import statistics
 from typing import Dict, List, Tuple
 
-from bytescheduler.sim.trace import Span as TraceSpan
-from bytescheduler.sim.trace import read_spans
+from bytescheduler_tools.sim.trace import Span as TraceSpan
+from bytescheduler_tools.sim.trace import read_spans
 
 Span = Tuple[float, float]
 

@@ -95,7 +95,7 @@ def main() -> int:
     parser.add_argument("--bandwidth", default="1gbit")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    from bytescheduler.bench.testbed import make_testbed, pin_cores
+    from bytescheduler_tools.bench.testbed import make_testbed, pin_cores
 
     with make_testbed(2, args.bandwidth) as net:
         net.cores = pin_cores(2)

@@ -45,7 +45,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     import bytescheduler.pytorch as bsp
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
     from bytescheduler.core import modes
     from torch.nn.parallel import DistributedDataParallel
 

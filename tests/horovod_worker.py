@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 import bytescheduler.pytorch.horovod as bsc
-from bytescheduler.bench.models import build
+from bytescheduler_tools.bench.models import build
 
 STEPS = 30
 BATCH = 8

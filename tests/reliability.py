@@ -12,7 +12,7 @@ from typing import List
 
 import pytest
 
-from bytescheduler.bench import chaos, soak
+from bytescheduler_tools.bench import chaos, soak
 
 STEPS = 2000
 EVERY = 50

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from bytescheduler.bench.runner import default_mxnet_python
-from bytescheduler.bench.testbed import NamespaceTestbed, make_testbed, namespaces_available
+from bytescheduler_tools.bench.runner import default_mxnet_python
+from bytescheduler_tools.bench.testbed import NamespaceTestbed, make_testbed, namespaces_available
 
 
 def _namespaces():
@@ -82,7 +82,7 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
 def test_core_busy_counts_a_pinned_process_spinning():
     """The core-busy column's source: a process pinned to one CPU that spins for 0.6 s shows up."""
     script = (
-        "import os, time; from bytescheduler.bench.common import cpu_busy_seconds, pinned_cpu\n"
+        "import os, time; from bytescheduler_tools.bench.common import cpu_busy_seconds, pinned_cpu\n"
         "cpu = sorted(os.sched_getaffinity(0))[-1]; os.sched_setaffinity(0, {cpu}); assert pinned_cpu() == cpu\n"
         "before = cpu_busy_seconds(cpu); start = time.perf_counter()\n"
         "while time.perf_counter() - start < 0.6: pass\n"
@@ -173,7 +173,7 @@ def test_blocks_take_turns_with_another_job(tmp_path):
     """Two jobs' run_blocks through one runner's files: each waits for its turn, says when it is done."""
     from types import SimpleNamespace
 
-    from bytescheduler.bench.common import Tracer, Turns, run_blocks
+    from bytescheduler_tools.bench.common import Tracer, Turns, run_blocks
 
     log: list = []
 
@@ -217,7 +217,7 @@ def test_a_blocks_lead_in_times_the_steady_state():
     ones (no flush in between either): the span covers whole periods of a running training."""
     from types import SimpleNamespace
 
-    from bytescheduler.bench.common import Tracer, run_blocks
+    from bytescheduler_tools.bench.common import Tracer, run_blocks
 
     calls: list = []
 
@@ -253,7 +253,7 @@ def test_a_lead_in_is_refused_with_mxnet_systems(tmp_path):
 def test_bench_without_mxnet_says_why(tmp_path):
     from argparse import Namespace
 
-    from bytescheduler.bench.runner import HOROVOD_SYSTEMS, MXNET_SYSTEMS, ON_REQUEST, TORCH_SYSTEMS, choose_systems
+    from bytescheduler_tools.bench.runner import HOROVOD_SYSTEMS, MXNET_SYSTEMS, ON_REQUEST, TORCH_SYSTEMS, choose_systems
 
     # Asked for by name: a clear error before anything runs.
     done = subprocess.run(
@@ -280,9 +280,9 @@ def test_bench_without_mxnet_says_why(tmp_path):
 
 
 def test_mxnet_models_have_the_torch_models_shapes():
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
-    script = ("import json; from bytescheduler.bench.mxnet_models import MODELS, shapes; "
+    script = ("import json; from bytescheduler_tools.bench.mxnet_models import MODELS, shapes; "
               "print(json.dumps({name: shapes(name) for name in MODELS}))")
     done = subprocess.run([default_mxnet_python(), "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -300,7 +300,7 @@ def _ranks(times, links, gradient_bytes, profile=None):
 
 
 def test_attainable_gain_uses_each_frameworks_own_link():
-    from bytescheduler.bench.report import markdown, summarize
+    from bytescheduler_tools.bench.report import markdown, summarize
 
     # 2 ranks send 1x the gradient bytes: 1 s at gloo's rate, 2 s at Horovod's.
     times = {"compute": [0.5], "ddp": [3.0], "scheduled": [2.0], "hvd": [3.0], "hvd-scheduled": [2.5],
@@ -317,7 +317,7 @@ def test_attainable_gain_uses_each_frameworks_own_link():
 
 
 def test_attainable_gain_when_the_baseline_is_at_the_floor():
-    from bytescheduler.bench.report import markdown, summarize
+    from bytescheduler_tools.bench.report import markdown, summarize
 
     times = {"compute": [1.0], "ddp": [1.005], "scheduled": [1.0]}
     summary = summarize(_ranks(times, {"gloo all-reduce": 1e9}, int(1e8)), batch_size=8)
@@ -326,7 +326,7 @@ def test_attainable_gain_when_the_baseline_is_at_the_floor():
 
 
 def test_the_timeline_shows_a_block_that_kept_one_mode():
-    from bytescheduler.bench.common import trace_block
+    from bytescheduler_tools.bench.common import trace_block
     from bytescheduler.core.modes import SCHEDULED, ModeChooser
 
     # VGG-like at 1 Gbit/s (2026-11-28): the schedule chosen 12% ahead, a second look after 50
@@ -362,7 +362,7 @@ def test_cpu_meter_counts_each_thread_by_role():
     import threading
     import time
 
-    from bytescheduler.bench.common import CpuMeter
+    from bytescheduler_tools.bench.common import CpuMeter
 
     done = threading.Event()
 
@@ -391,7 +391,7 @@ def test_cpu_meter_counts_each_thread_by_role():
 
 
 def test_report_shows_where_the_cpu_goes():
-    from bytescheduler.bench.report import markdown, summarize
+    from bytescheduler_tools.bench.report import markdown, summarize
 
     profile = {"scheduled": {"cpu_ms_per_iteration": {"training thread": 400.0, "bytescheduler threads": 12.0,
                                                       "native threads": 30.0, "other Python threads": 0.0,
@@ -408,7 +408,7 @@ def test_report_shows_where_the_cpu_goes():
 
 
 def test_the_demo_says_how_to_see_the_win_where_no_link_can_be_shaped(capsys, tmp_path):
-    from bytescheduler.bench.runner import QUICK_SHAPED, quick_shaped
+    from bytescheduler_tools.bench.runner import QUICK_SHAPED, quick_shaped
 
     assert quick_shaped(str(tmp_path), False, "not root") == 0
     said = capsys.readouterr().out
@@ -418,7 +418,7 @@ def test_the_demo_says_how_to_see_the_win_where_no_link_can_be_shaped(capsys, tm
 
 
 def test_the_demo_finds_a_shaped_link_here_and_runs_its_first_part_on_it(monkeypatch, capsys, tmp_path):
-    from bytescheduler.bench import runner
+    from bytescheduler_tools.bench import runner
 
     # Root with iproute2 (as CI): the probe really makes a shaped testbed, and leaves nothing.
     before = _namespaces()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bytescheduler.sim.calibration import Calibration, derive
+from bytescheduler_tools.sim.calibration import Calibration, derive
 
 
 def _calibrate(tmp_path, backend):

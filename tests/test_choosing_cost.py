@@ -1,4 +1,4 @@
-"""The mode switch's choosing cost over a training (:mod:`bytescheduler.sim.choosing`).
+"""The mode switch's choosing cost over a training (:mod:`bytescheduler_tools.sim.choosing`).
 
 The bench times 60 to 640 steps, where the switch's first trials weigh most; these tests
 hold the real :class:`~bytescheduler.core.modes.ModeChooser` to what a training of
@@ -13,7 +13,7 @@ import doctest
 import pytest
 
 from bytescheduler.core.modes import ModeChooser
-from bytescheduler.sim import choosing
+from bytescheduler_tools.sim import choosing
 
 
 def test_the_docstring_examples_run():

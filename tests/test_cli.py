@@ -24,18 +24,42 @@ def test_python_dash_m_runs_a_command_and_refuses_unknown_ones():
     assert _run().returncode == 2  # no command: usage, and a usage error
 
 
-def test_setup_lists_every_package():
-    """A wheel carries only the packages setup.py names: a new subpackage must be listed there."""
+def _packages(setup_py) -> set:
     import ast
+
+    tree = ast.parse(setup_py.read_text())
+    return set(next(ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    for k in node.keywords if k.arg == "packages"))
+
+
+def _found(top, name: str) -> set:
+    return {name + ".".join([""] + list(p.parent.relative_to(top).parts)) for p in top.rglob("__init__.py")}
+
+
+def test_setup_lists_every_package():
+    """A wheel carries only the packages setup.py names: a new subpackage must be listed there;
+    the library's holds no tool (those are bytescheduler-tools', tools/setup.py)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    tree = ast.parse((root / "setup.py").read_text())
-    listed = next(ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
-                  for k in node.keywords if k.arg == "packages")
-    found = {"bytescheduler" + ".".join([""] + list(p.parent.relative_to(root / "bytescheduler_py").parts))
-             for p in (root / "bytescheduler_py").rglob("__init__.py")}
-    assert set(listed) == found
+    assert _packages(root / "setup.py") == _found(root / "bytescheduler_py", "bytescheduler")
+    assert not any(".bench" in name or ".sim" in name for name in _packages(root / "setup.py"))
+    tools = root / "tools" / "bytescheduler_tools"
+    assert _packages(root / "tools" / "setup.py") == _found(tools, "bytescheduler_tools")
+
+
+def test_the_library_imports_nothing_of_the_tools_and_finds_their_commands_by_entry_point():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in (root / "bytescheduler_py").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import) bytescheduler_tools", text, re.M), path
+        assert not re.search(r"^\s*from \.+(bench|sim)\b", text, re.M), path
+    from bytescheduler.cli import commands
+
+    assert commands()["bench"][1] == "bytescheduler_tools.bench.runner:main"  # registered by tools/setup.py
 
 
 def test_bench_summary_tabulates_runs_and_marks_systems_slower_than_their_baseline(tmp_path):

@@ -354,7 +354,7 @@ def test_frames_carry_any_message():
         read_frame([500, 0, 1, 2], [])
 
 
-@pytest.mark.parametrize("module", ["policy", "follower", "ledger", "ordering", "errors", "config", "plan", "partition",
+@pytest.mark.parametrize("module", ["policy", "follower", "ledger", "ordering", "errors", "config", "values", "plan", "partition",
                                     "credit", "scheduler", "tcp_channel", "timeline", "call_thread"])
 def test_core_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"bytescheduler.core.{module}"), optionflags=doctest.ELLIPSIS)

@@ -6,9 +6,9 @@ import pytest
 
 from bytescheduler.core import config
 from bytescheduler.core.config import COARSE_GRAIN_BYTES, FAST_LINK_BYTES_PER_S, choose_grain, server_grain_bytes
-from bytescheduler.sim.engine import default_config, network_defaults, simulate
-from bytescheduler.sim.network import Network
-from bytescheduler.sim.profile import Layer, Profile, Tensor
+from bytescheduler_tools.sim.engine import default_config, network_defaults, simulate
+from bytescheduler_tools.sim.network import Network
+from bytescheduler_tools.sim.profile import Layer, Profile, Tensor
 
 MiB = 1024**2
 CREDIT = 64 * MiB

@@ -517,7 +517,7 @@ def _same(ours, theirs):
 
 
 def _models(rank):
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
     out = {}
     for name, make in (("cnn-small", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4)),
@@ -717,7 +717,7 @@ def _hook_switch(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import bytescheduler.pytorch as bsp
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
     from bytescheduler.core import modes
 
     modes.CHOOSER_OPTIONS.update(SHORT)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from bytescheduler.sim.paper import MODELS, architecture, paper_profile, reported_seconds, reported_speedup
+from bytescheduler_tools.sim.paper import MODELS, architecture, paper_profile, reported_seconds, reported_speedup
 
 # Parameter counts as torchvision documents them (vgg16: 138,357,544; resnet50: 25,557,032), and
 # the Transformer base of Vaswani et al. with a 37,000-token shared vocabulary, counted by hand:

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from bytescheduler.core.config import SchedulerConfig
 from bytescheduler.core.modes import PLAIN, SCHEDULED, ModeChooser
 from bytescheduler.core.plan import Plan, read_plan
-from bytescheduler.sim.network import Network
-from bytescheduler.sim.planner import search
-from bytescheduler.sim.profile import Layer, Profile, Tensor
+from bytescheduler_tools.sim.network import Network
+from bytescheduler_tools.sim.planner import search
+from bytescheduler_tools.sim.profile import Layer, Profile, Tensor
 from tests.distributed import run_ranks
 
 STEPS = 12

@@ -223,7 +223,7 @@ def small_models():
 
 
 def _real_models(rank, world_size, name):
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
     results = {}
     for kind in ("sgd", "adamw"):
@@ -534,7 +534,7 @@ def test_frozen_parameters_stay_and_the_rest_equals_ddp(small_models):
 
 
 def _evaluation(rank, world_size):
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
     out = {}
     for name in ("cnn-small", "gpt2-small"):
@@ -573,7 +573,7 @@ def test_evaluation_between_steps_sees_current_weights(real_models):
 
 
 def _clipping(rank, world_size):
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
     max_norm = 0.5
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
@@ -607,7 +607,7 @@ def _clipping_while_held(rank, world_size):
     # A minute-long merge cycle and the default partition: rank 0 would hold every gradient of
     # this small model until step(), but clipping reads them before step(), every other time
     # after synchronize().
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
     make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     ours, optimizer, theirs, baseline = _pair(lambda: build("cnn-small")[0], make, cycle_ms=60_000, timeout=30)
@@ -965,7 +965,7 @@ def test_add_param_group_after_training_started_equals_ddp():
 def _page_faults_per_iteration(rank, world_size):
     """Minor page faults of a steady-state iteration, and how many pages the gradients fill."""
     import bytescheduler.pytorch as bsp
-    from bytescheduler.bench.models import build
+    from bytescheduler_tools.bench.models import build
 
     def minor_faults():
         with open("/proc/self/stat") as handle:

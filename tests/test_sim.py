@@ -5,11 +5,11 @@ import json
 import pytest
 
 from bytescheduler.core.config import SchedulerConfig
-from bytescheduler.sim.allreduce import GlooLanes, ddp_buckets
-from bytescheduler.sim.engine import default_config, simulate
-from bytescheduler.sim.events import Simulation
-from bytescheduler.sim.network import Network, parse_rate
-from bytescheduler.sim.profile import Layer, Profile, Tensor
+from bytescheduler_tools.sim.allreduce import GlooLanes, ddp_buckets
+from bytescheduler_tools.sim.engine import default_config, simulate
+from bytescheduler_tools.sim.events import Simulation
+from bytescheduler_tools.sim.network import Network, parse_rate
+from bytescheduler_tools.sim.profile import Layer, Profile, Tensor
 
 
 def test_ring_and_tree_cost_for_n_ranks():
@@ -129,7 +129,7 @@ def test_simulate_command_reads_a_profile_and_writes_json(tmp_path, capsys):
 
 
 def test_a_bench_model_is_profiled_here():
-    from bytescheduler.sim.profile import measure
+    from bytescheduler_tools.sim.profile import measure
 
     profile = measure("tiny", batch_size=4, iterations=2, warmup=1)
     assert [t.nbytes for layer in profile.layers for t in layer.tensors] == [3072 * 64 * 4, 64 * 4, 64 * 10 * 4, 40]
@@ -216,7 +216,7 @@ def test_ps_scheduled_sends_pieces_of_whole_subkeys():
 def test_communication_cpu_shares_the_core_with_the_backward_pass():
     """A bucket all-reduced on loopback (no link limit) needs 20 ms of CPU, while the backward
     pass runs: both get half the core until it is done, so the backward ends 20 ms late."""
-    from bytescheduler.sim.calibration import BackendCosts, Calibration
+    from bytescheduler_tools.sim.calibration import BackendCosts, Calibration
 
     layers = (Layer("a", 0.01, (Tensor(500_000, 0.1),)), Layer("b", 0.01, (Tensor(2_000_000, 0.0),)))
     profile = Profile("two", layers, backward_s=0.1, step_s=0.005)
@@ -243,7 +243,7 @@ def test_every_scheduled_system_calls_the_runtimes_policy(in_flight_after_decide
 
 def test_simulate_command_with_a_calibration_draws_a_gantt_per_system(tmp_path, capsys):
     from bytescheduler.cli import main
-    from bytescheduler.sim.calibration import BackendCosts, Calibration
+    from bytescheduler_tools.sim.calibration import BackendCosts, Calibration
 
     profile = Profile("one", (Layer("x", 0.05, (Tensor(2_000_000, 0.2),)),), backward_s=0.2, step_s=0.01)
     (tmp_path / "profile.json").write_text(profile.to_json())
@@ -263,7 +263,7 @@ def test_simulate_command_with_a_calibration_draws_a_gantt_per_system(tmp_path, 
 
 
 def test_a_gantt_has_a_row_per_thread():
-    from bytescheduler.sim.gantt import chart_events
+    from bytescheduler_tools.sim.gantt import chart_events
 
     profile = Profile("two", (Layer("a", 0.01, (Tensor(4 * 2**20, 0.05),)), Layer("b", 0.01, (Tensor(4 * 2**20, 0.0),))),
                       backward_s=0.05, step_s=0.01)

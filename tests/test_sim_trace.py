@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from bytescheduler.sim.engine import simulate
-from bytescheduler.sim.network import Network
-from bytescheduler.sim.trace import TraceError, profile_from_trace
+from bytescheduler_tools.sim.engine import simulate
+from bytescheduler_tools.sim.network import Network
+from bytescheduler_tools.sim.trace import TraceError, profile_from_trace
 from tests.distributed import run_ranks
 
 

@@ -2,7 +2,7 @@
 
 Every rank samples its RSS, threads, open descriptors and sockets every 50 steps; after the
 warm-up (400 steps) RSS may grow by at most 8 MiB and the counts may not change at all
-(``bytescheduler.bench.soak.judge``). The 10,000-step run per adapter is a documented command
+(``bytescheduler_tools.bench.soak.judge``). The 10,000-step run per adapter is a documented command
 (docs/reliability.md). The MXNet twin is tests/mxnet/test_soak.py.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from bytescheduler.bench import soak
+from bytescheduler_tools.bench import soak
 from tests.reliability import check_flat, no_caller_settings, run_soak  # noqa: F401 - autouse fixture
 
 

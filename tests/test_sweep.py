@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from bytescheduler.sim.engine import simulate
-from bytescheduler.sim.network import Network
-from bytescheduler.sim.profile import Layer, Profile, Tensor
-from bytescheduler.sim.sweep import Sweep, best_per_cluster, effective_rate, parse_ranks
+from bytescheduler_tools.sim.engine import simulate
+from bytescheduler_tools.sim.network import Network
+from bytescheduler_tools.sim.profile import Layer, Profile, Tensor
+from bytescheduler_tools.sim.sweep import Sweep, best_per_cluster, effective_rate, parse_ranks
 
 MiB = 1024**2
 

@@ -3,7 +3,7 @@ correctness only; the real measurement (VGG at 1 Gbit/s on the shaped testbed) n
 
 import json
 
-from bytescheduler.bench.tuner_check import grid_settings, verdict
+from bytescheduler_tools.bench.tuner_check import grid_settings, verdict
 from bytescheduler.core.plan import Plan
 
 KiB = 1024

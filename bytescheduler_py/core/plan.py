@@ -1,6 +1,6 @@
 """A plan: the settings ``bytescheduler plan`` recommends for one model on one cluster.
 
-The planner (:mod:`bytescheduler.sim.planner`) searches partition x credit, and "don't
+The planner (:mod:`bytescheduler_tools.sim.planner`) searches partition x credit, and "don't
 schedule" (the framework's own path), with the simulator and writes its choice as JSON;
 the runtime reads it when an adapter is given ``plan=FILE`` or ``BYTESCHEDULER_PLAN=FILE``
 (:class:`~bytescheduler.core.config.SchedulerConfig`, where it takes the place of the
@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict
 
-from .config import parse_bool, parse_size
+from .values import parse_bool, parse_size
 from .errors import ByteSchedulerError
 
 FORMAT = "bytescheduler-plan"

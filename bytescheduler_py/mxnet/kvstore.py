@@ -56,7 +56,7 @@ from ..core.errors import ByteSchedulerError, ErrorLatch
 from ..core.modes import ModeDriver
 from ..core.scheduler import Scheduler
 from ..core.tcp_channel import TcpOrderChannel
-from ..launcher import engine_hint
+from .engine_env import engine_hint
 from .backend import Job, JobQueue, KVBackend
 from .grain import COARSE_SERVERS, choose_grain, probe_rate
 from .keys import SUBKEY_BASE, KeyInfo, KeyLayout, as_list, check_arrays, check_optimizer, key_pairs, rank0_json

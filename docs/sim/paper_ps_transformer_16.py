@@ -1,8 +1,8 @@
 """The paper's Transformer on 16 GPUs, parameter server: the rate where dist_sync is as slow as the
 paper's baseline, then ps-scheduled there at two grains (what sweep --compare-paper does, at one GPU count)."""
 import json, math, time
-from bytescheduler.sim.sweep import Sweep, effective_rate
-from bytescheduler.sim.paper import paper_profile, reported_seconds, reported_speedup
+from bytescheduler_tools.sim.sweep import Sweep, effective_rate
+from bytescheduler_tools.sim.paper import paper_profile, reported_seconds, reported_speedup
 
 MiB = 1024 ** 2
 sweep = Sweep(paper_profile("transformer-v100"), system="ps-scheduled", latency=5e-6)

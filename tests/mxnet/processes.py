@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from bytescheduler.bench.procstats import alive as pid_alive
-from bytescheduler.bench.procstats import marked_pids as marked_processes
+from bytescheduler_tools.bench.procstats import alive as pid_alive
+from bytescheduler_tools.bench.procstats import marked_pids as marked_processes
 
 MARKER = "BYTESCHEDULER_TEST_MARKER"
 

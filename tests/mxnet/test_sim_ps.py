@@ -10,10 +10,10 @@ import pytest
 
 from bytescheduler.mxnet.keys import SUBKEY_BASE, KeyLayout
 from bytescheduler.mxnet.kvstore import KVSTORE_DEFAULTS, num_servers, store_defaults
-from bytescheduler.sim import ps
-from bytescheduler.sim.calibration import derive
-from bytescheduler.sim.engine import default_config
-from bytescheduler.sim.training import Gradient
+from bytescheduler_tools.sim import ps
+from bytescheduler_tools.sim.calibration import derive
+from bytescheduler_tools.sim.engine import default_config
+from bytescheduler_tools.sim.training import Gradient
 
 
 def test_the_simulated_store_has_the_stores_defaults():
@@ -52,7 +52,7 @@ def test_the_calibration_probe_measures_ps_lite(tmp_path, marker):
     workers, 2 servers; not pinned, so the servers' CPU is not told apart here)."""
     done = subprocess.run(
         [sys.executable, "-m", "bytescheduler.launcher", "-n", "2", "-s", "2", "--deadline", "200", "--",
-         sys.executable, "-m", "bytescheduler.sim.probe_mxnet", "--small-ops", "40", "--large-ops", "3",
+         sys.executable, "-m", "bytescheduler_tools.sim.probe_mxnet", "--small-ops", "40", "--large-ops", "3",
          "--megabytes", "8", "--output", str(tmp_path / "rank{rank}.json")],
         capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
