@@ -58,19 +58,26 @@ class ShadowJoin:
     """
 
     def __init__(self, engine: Any, prefix: str, timeout: float, wait_for: Callable[..., Any]) -> None:
-        self._engine = engine
+        # Weakly: the guard's table holds this under the optimizer's backend, which the engine
+        # holds; a strong reference would keep an optimizer never closed alive for good.
+        self._engine = weakref.ref(engine)
         self._prefix = prefix
         self._timeout = timeout
         self._wait_for = wait_for
         self._joins = 0  # joins so far: every rank joins as often
 
+    @property
+    def alive(self) -> bool:
+        return self._engine() is not None
+
     def join(self) -> int:
         # (A model with sparse gradients, whose averages take collectives of their own, is
         # refused when the optimizer is made.)
+        engine = self._engine()
         name = f"{self._prefix}.{self._joins}"
         self._joins += 1
-        self._engine.synchronize()  # this rank's last step, with the others
-        return _Joining(self._engine, name, self._timeout, self._wait_for).run()
+        engine.synchronize()  # this rank's last step, with the others
+        return _Joining(engine, name, self._timeout, self._wait_for).run()
 
 
 class _Joining:
@@ -189,7 +196,7 @@ class JoinGuard:
         """``hvd.join`` while a ScheduledOptimizer is open (``device`` is Horovod's, unused
         here: the zeros are the optimizer's own, on its parameters' device)."""
         with self._lock:
-            joinings = list(self._open.values())
+            joinings = [joining for joining in self._open.values() if joining is None or joining.alive]
         if not joinings or hvd.size() == 1:
             return self._horovods(device)
         if len(joinings) > 1 or joinings[0] is None:
