@@ -278,8 +278,8 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
         json.dump(compute_events, handle)
     try:
         from . import charts
-    except ImportError as error:  # matplotlib is optional (the [bench] extra)
-        table += f"\n\n(no charts: {error}; install bytescheduler[bench])"
+    except ImportError as error:  # matplotlib: a requirement of bytescheduler-tools, missing where it was installed --no-deps
+        table += f"\n\n(no charts: {error}; pip install matplotlib)"
         return table
     charts.bar_chart(summary, os.path.join(out_dir, "speed.png"))
     for name in summary["systems"]:
