@@ -90,9 +90,14 @@ def difference(ours: nn.Module, theirs: nn.Module, tolerance: float = 0.0) -> Op
     return None
 
 
+def ddp(model: nn.Module, device: torch.device) -> DDP:
+    """``model`` under DDP on ``device`` (one device per process)."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
 def ddp_run(device: torch.device, rank: int, compile_model: bool = False, **train_args: Any) -> nn.Module:
     model = small_model().to(device)
-    forward = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = ddp(model, device)
     run = torch.compile(forward) if compile_model else forward
     train(model, run, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), rank, device, **train_args)
     return model
@@ -113,7 +118,7 @@ def optimizer_run(device: torch.device, rank: int, compile_model: bool = False, 
 
 def hook_run(device: torch.device, rank: int, compile_model: bool = False, **options: Any) -> nn.Module:
     model = small_model().to(device)
-    forward = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    forward = ddp(model, device)
     state = bsp.ScheduledHookState(model=forward, timeout=60, **options)
     forward.register_comm_hook(state, bsp.scheduled_allreduce_hook)
     try:
@@ -189,7 +194,7 @@ def costs(device: torch.device, warmup: int = 5, timed: int = 25) -> List[Dict[s
             model = build().to(device)
             sgd = torch.optim.SGD(model.parameters(), lr=0.01)
             if system == "DDP":
-                forward, optimizer = DDP(model, device_ids=[device.index] if device.type == "cuda" else None), sgd
+                forward, optimizer = ddp(model, device), sgd
             else:
                 forward, optimizer = model, bsp.ScheduledOptimizer(model, sgd, adaptive=False, timeout=60)
             batches = [batch(0, step, device) for step in range(warmup + timed)]

@@ -60,6 +60,11 @@ def test_the_library_imports_nothing_of_the_tools_and_finds_their_commands_by_en
     from bytescheduler.cli import commands
 
     assert commands()["bench"][1] == "bytescheduler_tools.bench.runner:main"  # registered by tools/setup.py
+    # The names the library's error gives when the tools are missing are the tools' commands.
+    from bytescheduler.cli import TOOLS
+    from bytescheduler_tools.cli import COMMANDS
+
+    assert set(TOOLS) == set(COMMANDS)
 
 
 def test_bench_summary_tabulates_runs_and_marks_systems_slower_than_their_baseline(tmp_path):
