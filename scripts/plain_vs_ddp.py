@@ -49,7 +49,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
     from bytescheduler.core import modes
     from torch.nn.parallel import DistributedDataParallel
 
-    modes.CHOOSER_OPTIONS.update(hold=1_000_000)  # no re-trial inside the measured blocks
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(hold=1_000_000).text()  # no re-trial inside the measured blocks
     systems = {}
     for name in ("DDP", "ScheduledOptimizer"):
         torch.manual_seed(0)

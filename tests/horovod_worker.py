@@ -162,7 +162,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
     scheduled.synchronize()
     stats = dict(scheduled._bytescheduler.scheduler.stats)
     tuner = scheduled._bytescheduler.scheduler.tuner
-    switch = scheduled._bytescheduler._switch
+    chooser = scheduled._bytescheduler.chooser
     result = {
         "model": name,
         "optimizer": kind,
@@ -180,7 +180,7 @@ def compare(name: str, kind: str, passes: int, idiom: bool = False, plain: bool 
         "stats": stats,
         "channel": type(scheduled._bytescheduler.scheduler._channel).__name__,
         "credit_bytes": scheduled._bytescheduler.scheduler.config.credit_bytes,
-        "modes": None if switch is None else "".join(mode[0] for mode in switch.chooser.history),
+        "modes": None if chooser is None else "".join(mode[0] for mode in chooser.history),
         "horovod_hooks": "".join(hooks),
         "tuning": None if tuner is None else {
             "done": tuner.done, "settings": [[t.partition_bytes, t.credit_bytes] for t in tuner.history],
@@ -213,7 +213,7 @@ def scenario_switch() -> None:
     """The mode switch with short phases: both paths run, switching often, on every rank alike."""
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
     runs = [
         compare("cnn-small", "sgd", 1, adaptive=True),
         compare("gpt2-small", "adamw", 1, adaptive=True, idiom=True),
@@ -498,7 +498,7 @@ def scenario_bad() -> None:
         F.cross_entropy(model(x), y).backward()
     except Exception as error:  # noqa: BLE001 - the test asserts on what was raised
         errors["second"] = {"type": type(error).__name__, "message": str(error),
-                            "mode": plain._bytescheduler._switch.chooser.mode}
+                            "mode": plain._bytescheduler.chooser.mode}
     else:
         errors["second"] = None
     plain.close(wait=False)
@@ -584,7 +584,7 @@ def _lockstep(options) -> dict:
 def scenario_many() -> None:
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
     if hvd.rank() == hvd.size() - 1:
         time.sleep(3.0)  # joins late: the others wait in the start-up agreement
     report(scenario="many", pieces=_lockstep(dict(partition_bytes="4KiB", credit_bytes="16KiB", adaptive=False)),
@@ -666,7 +666,7 @@ def _side_by_side(body, name="cnn-small", kind="sgd", passes=1, steps=12, hvd_op
         outcomes.append((values, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]))
     scheduled = optimizers[1]
     scheduled.synchronize()
-    switch = scheduled._bytescheduler._switch
+    chooser = scheduled._bytescheduler.chooser
     result = {
         "max_abs_diff": max_difference(built[0][0], built[1][0]),
         "values_equal": outcomes[0][0] == outcomes[1][0],
@@ -674,7 +674,7 @@ def _side_by_side(body, name="cnn-small", kind="sgd", passes=1, steps=12, hvd_op
         "warnings": [outcomes[0][1], outcomes[1][1]],
         "checksum": checksum(built[1][0]),
         "operations": scheduled._bytescheduler.scheduler.stats["operations"],
-        "modes": None if switch is None else "".join(mode[0] for mode in switch.chooser.history),
+        "modes": None if chooser is None else "".join(mode[0] for mode in chooser.history),
     }
     scheduled.close()
     return result
@@ -779,8 +779,7 @@ def scenario_surface() -> None:
                                                 adaptive=False),
     }
     # The same with the mode switch on short phases: Horovod's own path runs too.
-    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1,
-                                 min_retrial=2)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
     runs["clip-switch"] = _side_by_side(_clipped(), steps=30, adaptive=True)
     runs["predivide-switch"] = _side_by_side(_plain, steps=30, hvd_options=dict(gradient_predivide_factor=3.0),
                                              adaptive=True)

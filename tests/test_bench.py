@@ -327,11 +327,11 @@ def test_attainable_gain_when_the_baseline_is_at_the_floor():
 
 def test_the_timeline_shows_a_block_that_kept_one_mode():
     from bytescheduler_tools.bench.common import trace_block
-    from bytescheduler.core.modes import SCHEDULED, ModeChooser
+    from bytescheduler.core.modes import SCHEDULED, ModeChooser, ModeSwitchParams
 
     # VGG-like at 1 Gbit/s (2026-11-28): the schedule chosen 12% ahead, a second look after 50
     # steps, which fell in the last of 6 blocks of 10: its timeline was the framework's path.
-    chooser = ModeChooser(warmup=3, settle=1, trial=4, verify_hold=50)
+    chooser = ModeChooser(ModeSwitchParams(warmup=3, settle=1, trial=4, verify_hold=50))
 
     def step():
         chooser.record(1.07 if chooser.mode == SCHEDULED else 1.22)

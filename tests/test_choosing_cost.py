@@ -12,7 +12,7 @@ import doctest
 
 import pytest
 
-from bytescheduler.core.modes import ModeChooser
+from bytescheduler.core.modes import ModeChooser, ModeSwitchParams
 from bytescheduler_tools.sim import choosing
 
 
@@ -42,7 +42,7 @@ def test_on_a_noisy_machine_a_slightly_slower_schedule_does_not_stay_for_good():
 
 def test_a_chooser_that_never_stops_trying_the_slower_path_is_caught():
     # Holds that stay at 20 steps re-try a 1.5x slower schedule for 8 of every 36 steps.
-    stubborn = ModeChooser(hold=20, max_hold=20, verify_hold=20)
+    stubborn = ModeChooser(ModeSwitchParams(hold=20, max_hold=20, verify_hold=20))
     cost = choosing.choosing_cost(0.11, 0.67, steps=(10_000,), seed=1, chooser=stubborn)
     assert cost[10_000] > 0.05, cost
 

@@ -306,3 +306,31 @@ def test_adapter_defaults_sit_below_environment_and_keywords():
     assert SchedulerConfig.resolve(environ=env, defaults=defaults).partition_bytes == 2**20
     assert SchedulerConfig.resolve(environ=env, defaults=defaults, partition_bytes=512).partition_bytes == 512
     assert SchedulerConfig.resolve(environ=env, defaults=defaults).credit_bytes == 256 * 2**20
+
+
+def test_every_value_records_where_it_came_from(tmp_path):
+    """A plan, the environment and keywords stack in that order, and each value says which set it."""
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"format": "bytescheduler-plan", "version": 1, "schedule": false, '
+                    '"partition_bytes": 1024, "credit_bytes": 4096}')
+    defaults = SchedulerConfig(partition_bytes=64 * 2**20, adaptive=True)
+    env = {"BYTESCHEDULER_CREDIT": "8KiB", "BYTESCHEDULER_PLAN": str(plan)}
+    config = SchedulerConfig.resolve(environ=env, defaults=defaults, timeout=30)
+    assert (config.partition_bytes, config.credit_bytes, config.timeout, config.start_plain) == (1024, 8192, 30.0, True)
+    assert {name: config.source(name) for name in ("partition_bytes", "credit_bytes", "timeout", "start_plain",
+                                                   "plan", "adaptive", "merge")} == {
+        "partition_bytes": "plan", "credit_bytes": "environment", "timeout": "argument", "start_plain": "plan",
+        "plan": "environment", "adaptive": "default", "merge": "default"}
+    assert config.given("partition_bytes") and not config.given("adaptive")
+    # An adapter's defaults are defaults even though they were built with arguments.
+    assert SchedulerConfig.resolve(environ={}, defaults=defaults).source("partition_bytes") == "default"
+    # Built directly, what differs from the class's defaults counts as an argument; options on top too.
+    direct = SchedulerConfig(credit_bytes=8, merge=True)
+    assert (direct.source("credit_bytes"), direct.source("merge")) == ("argument", "default")
+    assert SchedulerConfig.build(direct, partition_bytes="4KiB").source("partition_bytes") == "argument"
+    # Provenance is not part of a config's value: equal settings are equal configs, and it survives pickling.
+    assert config == dataclasses.replace(config, sources={}) and hash(config) == hash(dataclasses.replace(config, sources={}))
+    import pickle
+    assert pickle.loads(pickle.dumps(config)).source("credit_bytes") == "environment"
+    with pytest.raises(KeyError, match="credit_bytes"):
+        config.source("credit")

@@ -355,7 +355,8 @@ def test_frames_carry_any_message():
 
 
 @pytest.mark.parametrize("module", ["policy", "follower", "ledger", "ordering", "errors", "config", "values", "plan", "partition",
-                                    "credit", "scheduler", "tcp_channel", "timeline", "call_thread"])
+                                    "credit", "scheduler", "tcp_channel", "timeline", "call_thread", "modes", "grain",
+                                    "agreement"])
 def test_core_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(f"bytescheduler.core.{module}"), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0, result

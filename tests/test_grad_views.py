@@ -12,6 +12,7 @@ unused on one rank or on all (``find_unused_parameters=True``, with and without 
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 import torch.nn as nn
@@ -138,7 +139,7 @@ def _optimizer(rank, views):
 def _cases(rank, world_size):
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(SHORT)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(**SHORT).text()
     return {(name, views): run(rank, views) for name, run in (("hook", _hook), ("optimizer", _optimizer))
             for views in (True, False)}
 

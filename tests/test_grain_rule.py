@@ -1,11 +1,11 @@
-"""ScheduledKVStore's grain rule (core/config.py's choose_grain, which mxnet/grain.py applies
+"""ScheduledKVStore's grain rule (core/grain.py's choose_grain, which mxnet/grain.py applies
 to its link probe at the first init) and the simulator's use of it; the probe itself runs in
 real parameter-server jobs (tests/mxnet/test_kvstore.py)."""
 
 import pytest
 
-from bytescheduler.core import config
-from bytescheduler.core.config import COARSE_GRAIN_BYTES, FAST_LINK_BYTES_PER_S, choose_grain, server_grain_bytes
+from bytescheduler.core import grain
+from bytescheduler.core.grain import COARSE_GRAIN_BYTES, FAST_LINK_BYTES_PER_S, choose_grain, server_grain_bytes
 from bytescheduler_tools.sim.engine import default_config, network_defaults, simulate
 from bytescheduler_tools.sim.network import Network
 from bytescheduler_tools.sim.profile import Layer, Profile, Tensor
@@ -14,11 +14,11 @@ MiB = 1024**2
 CREDIT = 64 * MiB
 
 
-def test_the_rule_is_in_the_config_modules_examples():
+def test_the_rule_is_in_the_grain_modules_examples():
     import doctest
 
-    result = doctest.testmod(config)
-    assert result.failed == 0 and "choose_grain" in " ".join(t.name for t in doctest.DocTestFinder().find(config))
+    result = doctest.testmod(grain)
+    assert result.failed == 0 and "choose_grain" in " ".join(t.name for t in doctest.DocTestFinder().find(grain))
 
 
 @pytest.mark.parametrize("servers", [1, 2])

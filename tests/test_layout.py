@@ -86,3 +86,16 @@ def test_the_examples_use_the_library_and_their_framework_only():
         tops = {name.split(".")[0] for name in _imports(path, "examples.x", False)}
         outside = tops - set(sys.stdlib_module_names) - {"__future__", "bytescheduler", "synthetic", "examples"}
         assert outside <= {"torch", "horovod", "mxnet", "numpy"}, (path, outside)
+
+
+def test_no_class_of_the_library_is_a_giant():
+    """One object per role: a class that grows past this size holds two roles (split it)."""
+    import ast
+
+    sizes = {}
+    for path in (ROOT / "bytescheduler_py").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert sizes and max(sizes.values()) <= 320, sorted(sizes.items(), key=lambda item: -item[1])[:3]
+

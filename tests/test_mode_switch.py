@@ -9,12 +9,14 @@ twin is ``tests/test_horovod.py::test_mode_switch_...``).
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bytescheduler.core.modes import CHOOSE_PLAIN, CHOOSE_SCHEDULED, CONTINUE, PLAIN, SCHEDULED, STOP, ModeChooser, decode
+from bytescheduler.core import modes as mode_rules
+from bytescheduler.core.modes import CHOOSE_PLAIN, CHOOSE_SCHEDULED, CONTINUE, PLAIN, SCHEDULED, STOP, ModeChooser, ModeSwitchParams, decode
 from bytescheduler.pytorch.plain import PlainPath, assign_buckets
 from tests.distributed import run_ranks
 
@@ -37,7 +39,7 @@ def _drive(chooser, seconds, steps, follower=None):
 
 
 def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confirmed():
-    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3)
+    chooser = ModeChooser(ModeSwitchParams(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3))
     history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 108)
     # warm-up 2 (a decision point on the scheduled path, which drains it: trials of 3 steps
     # after 1 to settle), scheduled trial 1+3, plain trial 1+3, decided at once (30% apart):
@@ -48,7 +50,7 @@ def test_a_clearly_faster_scheduled_path_is_held_and_the_hold_doubles_when_confi
 
 
 def test_steady_steps_tell_how_many_steps_surely_keep_the_current_mode():
-    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3)
+    chooser = ModeChooser(ModeSwitchParams(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3))
     steady = []
     for _ in range(108):
         steady.append(chooser.steady_steps)
@@ -63,7 +65,7 @@ def test_steady_steps_tell_how_many_steps_surely_keep_the_current_mode():
 
 
 def test_every_choice_is_kept_with_the_step_times_behind_it():
-    chooser = ModeChooser(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3)
+    chooser = ModeChooser(ModeSwitchParams(warmup=2, settle=1, trial=3, pairs=3, hold=10, max_hold=40, clear_hold=1, min_clear_samples=1, min_retrial=3))
     _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 40)
     first, retrial = chooser.verdicts[:2]
     assert first["kind"] == "trials" and first["winner"] == SCHEDULED and first["clear"] and first["told_apart"]
@@ -90,13 +92,13 @@ def test_the_step_after_a_drain_of_the_scheduled_path_is_not_timed():
         return chooser
 
     options = dict(warmup=2, trial=2, pairs=1, hold=10, min_clear_samples=1, trial_seconds=0)
-    first = run(ModeChooser(settle=1, **options), 40).verdicts[0]
+    first = run(ModeChooser(ModeSwitchParams(settle=1, **options)), 40).verdicts[0]
     assert first["scheduled_s"] == [1.2, 1.2] and first["winner"] == PLAIN, first
     # the warm-up's decision point drained without a switch: one step to settle, then the trial
-    history = "".join(m[0] for m in run(ModeChooser(settle=1, **options), 8).history)
+    history = "".join(m[0] for m in run(ModeChooser(ModeSwitchParams(settle=1, **options)), 8).history)
     assert history == "ss" + "s" + "ss" + "ppp", history
     # with settle=0 nothing is left out: the short step is one of the trial's two samples
-    eager = run(ModeChooser(settle=0, **options), 10).verdicts[0]
+    eager = run(ModeChooser(ModeSwitchParams(settle=0, **options)), 10).verdicts[0]
     assert eager["scheduled_s"] == [0.1, 1.2], eager
 
 
@@ -114,10 +116,9 @@ def test_four_noisy_steps_per_path_do_not_decide_early():
         series = scheduled if mode == SCHEDULED else plain
         return series[min(steps[mode], len(series)) - 1]
 
-    chooser = ModeChooser(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0, min_retrial=4)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0, min_retrial=4))
     history = _drive(chooser, seconds, 40)
-    early = ModeChooser(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0,
-                        min_clear_samples=4, min_retrial=4)
+    early = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0, min_clear_samples=4, min_retrial=4))
     steps.update({SCHEDULED: 0, PLAIN: 0})
     # The old rule decided after one pair; not decisive (19% apart), the choice is looked at
     # again after the short hold (20 steps here), and the plain path takes over.
@@ -128,23 +129,23 @@ def test_four_noisy_steps_per_path_do_not_decide_early():
 
 
 def test_a_clear_first_choice_holds_longer_and_trials_last_long_enough():
-    clear = ModeChooser(warmup=2, settle=0, trial=2, pairs=3, hold=10, max_hold=100, clear_hold=4, min_clear_samples=1, min_retrial=2)
+    clear = ModeChooser(ModeSwitchParams(warmup=2, settle=0, trial=2, pairs=3, hold=10, max_hold=100, clear_hold=4, min_clear_samples=1, min_retrial=2))
     assert _drive(clear, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 60)[:50] == "ss" "ss" "pp" + "s" * 40 + "pp" "ss"
-    close = ModeChooser(warmup=2, settle=0, trial=2, pairs=1, hold=10, clear_hold=4, min_retrial=2)
+    close = ModeChooser(ModeSwitchParams(warmup=2, settle=0, trial=2, pairs=1, hold=10, clear_hold=4, min_retrial=2))
     assert _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.05, 20)[:18] == "ss" "ss" "pp" + "s" * 10 + "pp"
     # Steps of 10 ms: trials of 0.5 s are 50 steps (warm-up's median, its first step left out),
     # timed as three phases of 17 steps a side, alternating.
-    fast = ModeChooser(warmup=3, settle=0, trial=4, trial_seconds=0.5, max_trial=64, min_retrial=4)
+    fast = ModeChooser(ModeSwitchParams(warmup=3, settle=0, trial=4, trial_seconds=0.5, max_trial=64, min_retrial=4))
     history = _drive(fast, lambda mode, step: 0.2 if step == 0 else 0.01, 200)
     assert history[:3 + 6 * 17] == "sss" + ("s" * 17 + "p" * 17) * 3, history[:110]
-    assert (fast.trial, fast.split, fast.phase) == (50, 3, 17)
+    assert (fast.trial, fast.split, fast.phase_steps) == (50, 3, 17)
 
 
 def test_long_trials_alternate_in_shorter_phases_whose_pace_must_agree_to_decide_early():
     # Trials of 24 steps: three phases of 8 a side. A steady 15% lead decides after three pairs.
-    steady = ModeChooser(warmup=3, settle=0, trial=4, pairs=3, trial_seconds=0.75, min_retrial=8)
+    steady = ModeChooser(ModeSwitchParams(warmup=3, settle=0, trial=4, pairs=3, trial_seconds=0.75, min_retrial=8))
     history = _drive(steady, lambda mode, step: 0.2 if step == 0 else (1 / 32 if mode == SCHEDULED else 1.15 / 32), 80)
-    assert (steady.split, steady.phase) == (3, 8)
+    assert (steady.split, steady.phase_steps) == (3, 8)
     assert history.startswith("sss" + ("s" * 8 + "p" * 8) * 3 + "s" * 20) and steady.verdicts[0]["clear"], history
     # The same lead in the medians, but one phase in three of the schedule slow (a run of slow
     # steps on the machine): the phases' pace disagrees, so no early decision; all nine pairs run.
@@ -157,7 +158,7 @@ def test_long_trials_alternate_in_shorter_phases_whose_pace_must_agree_to_decide
             return 1 / 32
         phase = (step - 3) // 8
         return (1.3 if phase % 6 == 4 else 1.0) / 32 if mode == SCHEDULED else 1.15 / 32
-    noisy = ModeChooser(warmup=3, settle=0, trial=4, pairs=3, trial_seconds=0.75, min_retrial=8)
+    noisy = ModeChooser(ModeSwitchParams(warmup=3, settle=0, trial=4, pairs=3, trial_seconds=0.75, min_retrial=8))
     history = _drive(noisy, bursty, 3 + 16 * 9 + 4)
     assert history.startswith("sss" + ("s" * 8 + "p" * 8) * 9) and noisy.verdicts[0]["step"] == 3 + 16 * 9, history
     assert not noisy.verdicts[0]["clear"]
@@ -167,13 +168,13 @@ def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
     options = dict(warmup=1, settle=0, trial=8, pairs=3, hold=40, verify_hold=10, clear_hold=4, trial_seconds=0)
     # The schedule 13% faster: chosen after one pair (clear), not decisive: a second look after
     # 10 steps; confirmed, the usual holds follow (40, then doubled).
-    close = ModeChooser(**options)
+    close = ModeChooser(ModeSwitchParams(**options))
     history = _drive(close, lambda mode, _: 1.0 if mode == SCHEDULED else 1.15, 200)
     assert history[:17] == "s" + "s" * 8 + "p" * 8, history
     # (each re-trial is followed by as many steps back on the held path, then the verdict)
     assert history[17:] .startswith("s" * 10 + "p" * 8 + "s" * (8 + 40) + "p" * 8 + "s" * (8 + 80)), history
     # 29% apart: decisive, held four times as long at once.
-    far = ModeChooser(**options)
+    far = ModeChooser(ModeSwitchParams(**options))
     history = _drive(far, lambda mode, _: 1.0 if mode == SCHEDULED else 1.4, 200)
     assert history[17:] .startswith("s" * 160 + "p" * 8), history
     # A wrong first look (the plain trial steps slowed by something else) is undone 10 steps later.
@@ -182,25 +183,24 @@ def test_a_first_choice_is_looked_at_again_soon_unless_decisive():
     def drifting(mode, _):
         steps[mode] += 1
         return 1.0 if mode == SCHEDULED else (1.15 if steps[mode] <= 8 else 0.9)
-    wrong = ModeChooser(**options)
+    wrong = ModeChooser(ModeSwitchParams(**options))
     history = _drive(wrong, drifting, 60)
     assert history[17:] == "s" * 10 + "p" * 8 + "s" * 8 + "p" * 17, history
     with pytest.raises(ValueError, match="verify_hold"):
-        ModeChooser(verify_hold=0)
+        ModeChooser(ModeSwitchParams(verify_hold=0))
 
 
 def test_holds_grow_with_the_trials_so_that_retrials_stay_a_small_share_of_the_steps():
     # Steps of 1/32 s: trials of 0.75 s are 24 steps, three times the eight-step re-trials the
     # holds are given for, so every hold is three times as long (the verifying one 30, then 60, 120).
-    chooser = ModeChooser(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10,
-                          max_hold=100, clear_hold=4, min_retrial=8)
+    chooser = ModeChooser(ModeSwitchParams(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10, max_hold=100, clear_hold=4, min_retrial=8))
     history = _drive(chooser, lambda mode, step: 0.2 if step == 0 else (1 / 32 if mode == SCHEDULED else 1.15 / 32), 500)
     assert chooser.trial == chooser.retrial == 24
     assert (chooser.first_hold, chooser.verify_hold, chooser.max_hold) == (60, 30, 300)
     assert history.startswith("sss" + ("s" * 8 + "p" * 8) * 3 + "s" * 30 + "p" * 24 + "s" * (24 + 60) + "p" * 24
                               + "s" * (24 + 120) + "p" * 24), history
     # Trials no longer than the re-trials: the holds as given.
-    slow = ModeChooser(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10, min_retrial=8)
+    slow = ModeChooser(ModeSwitchParams(warmup=3, settle=0, trial=4, pairs=1, trial_seconds=0.75, hold=20, verify_hold=10, min_retrial=8))
     _drive(slow, lambda mode, step: 1.0 if mode == SCHEDULED else 1.15, 40)
     assert slow.trial == 4 and (slow.first_hold, slow.verify_hold) == (20, 10)
 
@@ -210,11 +210,11 @@ def test_differences_within_the_noise_go_to_the_plain_path():
 
     noise = random.Random(7)
     # The schedule 2% faster, steps that vary by 10%: not told apart with trials of 8 steps.
-    chooser = ModeChooser(warmup=1, settle=0, trial=8, pairs=2, hold=50, margin=0.01)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=8, pairs=2, hold=50, margin=0.01))
     history = _drive(chooser, lambda mode, _: (0.98 if mode == SCHEDULED else 1.0) * noise.uniform(0.9, 1.1), 60)
     assert history[-20:] == "p" * 20, history
     # The same 2% with steps that vary by 0.1%: the schedule wins.
-    steady = ModeChooser(warmup=1, settle=0, trial=8, pairs=2, hold=50, margin=0.01)
+    steady = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=8, pairs=2, hold=50, margin=0.01))
     history = _drive(steady, lambda mode, _: (0.98 if mode == SCHEDULED else 1.0) * noise.uniform(0.999, 1.001), 60)
     assert history[-20:] == "s" * 20, history
 
@@ -231,7 +231,7 @@ def test_a_clear_difference_within_the_noise_times_more_pairs_before_it_decides(
         steps[mode] += 1
         return (scheduled[(steps[mode] - 1) % 4] if mode == SCHEDULED else plain[steps[mode] - 1])
 
-    chooser = ModeChooser(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0, min_retrial=4)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=4, pairs=3, hold=20, clear_hold=4, trial_seconds=0, min_retrial=4))
     history = _drive(chooser, seconds, 60)
     # Not decisive (14% apart): looked at again 20 steps later, then held.
     assert history[:1 + 8 + 8] == "s" + "ssssp" "ppp" "sssspppp" and history[17:] == "s" * 20 + "pppp" + "s" * 19, history
@@ -239,16 +239,16 @@ def test_a_clear_difference_within_the_noise_times_more_pairs_before_it_decides(
 
 
 def test_a_faster_plain_path_wins_and_ties_go_to_the_plain_path():
-    faster = ModeChooser(warmup=1, settle=0, trial=2, pairs=2, hold=50, min_clear_samples=1, min_retrial=2)
+    faster = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=2, pairs=2, hold=50, min_clear_samples=1, min_retrial=2))
     assert _drive(faster, lambda mode, _: 1.0 if mode == PLAIN else 1.2, 20)[5:] == "p" * 15
-    tie = ModeChooser(warmup=1, settle=0, trial=2, pairs=2, hold=50, margin=0.01, min_retrial=2)
+    tie = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=2, pairs=2, hold=50, margin=0.01, min_retrial=2))
     history = _drive(tie, lambda mode, _: 1.0 if mode == PLAIN else 0.995, 20)
     # Within the margin: all pairs are tried (no clear winner), then the cheaper plain path.
     assert history[:9] == "sss" "pp" "ss" "pp" and history[9:] == "p" * 11, history
 
 
 def test_a_retrial_switches_when_the_situation_changed():
-    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1, min_retrial=2)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1, min_retrial=2))
     # The plain path is faster until step 12, then (a slower link) the scheduled one is.
     history = _drive(chooser, lambda mode, step: (1.0 if step < 12 else 2.0) if mode == PLAIN else 1.5, 40)
     # Plain held (steps 5-10), re-trial of the schedule (11-12), back on plain (13-14, now
@@ -262,7 +262,7 @@ def test_a_schedule_that_a_retrial_switched_to_must_lead_again_or_the_plain_path
     # Plain faster (1.0 s against 1.5 s), then slower (2.0 s) from step 12: the re-trial
     # that ends at step 31 switches to the schedule. From step ``tie_from`` on both take 1.5 s.
     def run(tie_from):
-        chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1, min_retrial=2)
+        chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1, min_retrial=2))
         _drive(chooser, lambda mode, step: 1.5 if mode == SCHEDULED or step >= tie_from else
                (1.0 if step < 12 else 2.0), 80)
         return chooser, [(v["step"], v["winner"], v["told_apart"]) for v in chooser.verdicts[1:]]
@@ -285,8 +285,7 @@ def _held_then_retried(held, retried, held_mode=SCHEDULED):
     half, then as many steps after the re-trial) and ``retried`` for the other path's re-trial
     (as long as half of ``held``); returns it at the re-trial's verdict and its proposal."""
     length = len(retried)
-    chooser = ModeChooser(warmup=1, settle=0, trial=4, pairs=1, hold=2 * length, clear_hold=1, min_clear_samples=1,
-                          min_retrial=length)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=4, pairs=1, hold=2 * length, clear_hold=1, min_clear_samples=1, min_retrial=length))
     chooser.end_step()
     chooser.adopt(CONTINUE)
     fast, slow = [1.0] * 4, [1.3] * 4
@@ -312,7 +311,7 @@ def test_a_retrial_within_the_noise_keeps_the_held_path():
     assert verdict["kind"] == "re-trial" and not verdict["told_apart"], verdict
     assert verdict["winner"] == SCHEDULED and proposal == CHOOSE_SCHEDULED, verdict
     # The same re-trial with the plain path clearly faster switches.
-    fast = ModeChooser(warmup=1, settle=0, trial=4, pairs=1, hold=8, clear_hold=1, min_clear_samples=1, min_retrial=4)
+    fast = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=4, pairs=1, hold=8, clear_hold=1, min_clear_samples=1, min_retrial=4))
     history = _drive(fast, lambda mode, step: (1.0 if mode == SCHEDULED else 1.3) if step < 10 else
                      (1.2 if mode == SCHEDULED else 0.9), 40)
     assert fast.verdicts[1]["winner"] == PLAIN and fast.verdicts[1]["told_apart"], fast.verdicts
@@ -330,7 +329,7 @@ def test_a_retrial_switches_only_beyond_the_noise_of_each_side():
     verdict = chooser.verdicts[-1]
     assert verdict["plain_s"] == held and verdict["scheduled_s"] == retried, verdict
     assert not verdict["told_apart"] and proposal == CHOOSE_PLAIN, verdict
-    assert chooser._verdict({PLAIN: held, SCHEDULED: retried})[:2] == (SCHEDULED, True)  # the averaged rule's switch
+    assert mode_rules.verdict({PLAIN: held, SCHEDULED: retried}, chooser.params.margin)[:2] == (SCHEDULED, True)  # the averaged rule's switch
     # A pipelined schedule's real lead (VGG-like at 1 Gbit/s: steps of 0.91-1.37 s, in pairs
     # 1.10-1.26 s, against DDP's steady 1.31-1.36 s) is still told apart in an eight-step re-trial.
     ddp = [1.33, 1.35, 1.31, 1.34, 1.36, 1.32, 1.33, 1.35] * 2
@@ -342,21 +341,21 @@ def test_a_retrial_switches_only_beyond_the_noise_of_each_side():
 def test_retrials_last_eight_steps_unless_trials_are_longer():
     # Four-step re-trials decided on one side's chance agreement (above); by default a re-trial
     # and the held path's steps after it last eight steps, so both are timed in pairs.
-    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1, min_clear_samples=1)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=2, pairs=1, hold=6, clear_hold=1, min_clear_samples=1))
     history = _drive(chooser, lambda mode, _: 1.0 if mode == SCHEDULED else 1.3, 50)
     assert chooser.retrial == 8
     assert history.startswith("s" + "ss" "pp" + "s" * 6 + "p" * 8 + "s" * 8 + "s" * 12 + "p" * 8), history
     # the held side: the hold's steps (six here, eight at most) and the eight after the re-trial
     assert len(chooser.verdicts[1]["plain_s"]) == 8 and len(chooser.verdicts[1]["scheduled_s"]) == 6 + 8
-    assert ModeChooser(trial=12).retrial == 12 and ModeChooser(trial=2, min_retrial=3).retrial == 3
+    assert ModeChooser(ModeSwitchParams(trial=12)).retrial == 12 and ModeChooser(ModeSwitchParams(trial=2, min_retrial=3)).retrial == 3
     with pytest.raises(ValueError, match="min_retrial"):
-        ModeChooser(min_retrial=0)
+        ModeChooser(ModeSwitchParams(min_retrial=0))
 
 
 def _trials(scheduled, plain, trial):
     """A chooser's first verdict after three trial pairs of ``trial`` steps timed as given."""
     steps = {SCHEDULED: iter(scheduled), PLAIN: iter(plain)}
-    chooser = ModeChooser(warmup=1, settle=0, trial=trial, pairs=3, trial_seconds=0, min_retrial=trial)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=trial, pairs=3, trial_seconds=0, min_retrial=trial))
     _drive(chooser, lambda mode, step: 1.5 if step == 0 else next(steps[mode]), 1 + 6 * trial)
     return chooser
 
@@ -393,7 +392,7 @@ def test_a_pattern_longer_than_two_steps_is_timed_by_the_pace_of_whole_trial_pha
     chooser = _trials(scheduled, plain, 4)
     verdict = chooser.verdicts[0]
     assert verdict["scheduled_s"] == scheduled and verdict["plain_s"] == plain, verdict
-    assert chooser._verdict({SCHEDULED: scheduled, PLAIN: plain})[:2] == (PLAIN, False)  # pairs alone: a tie
+    assert mode_rules.verdict({SCHEDULED: scheduled, PLAIN: plain}, chooser.params.margin)[:2] == (PLAIN, False)  # pairs alone: a tie
     assert verdict["winner"] == SCHEDULED and verdict["told_apart"] and not verdict["clear"], verdict
     assert chooser.mode == SCHEDULED
     # One phase pair that says the other way (the plain phase 10% faster) leaves it to the pairs.
@@ -408,27 +407,27 @@ def test_when_the_pace_and_the_median_steps_disagree_the_plain_path_runs():
     # schedule leads by 9% with no noise, by the phases' pace it is 14% slower.
     scheduled = ([1.0] * 6 + [2.0, 2.0]) * 3
     chooser = _trials(scheduled, [1.1] * 24, 8)
-    assert chooser._verdict({SCHEDULED: scheduled, PLAIN: [1.1] * 24})[:2] == (SCHEDULED, True)
-    assert chooser._paced({SCHEDULED: [scheduled[:8]] * 3, PLAIN: [[1.1] * 8] * 3}) == PLAIN
+    assert mode_rules.verdict({SCHEDULED: scheduled, PLAIN: [1.1] * 24}, chooser.params.margin)[:2] == (SCHEDULED, True)
+    assert mode_rules.paced({SCHEDULED: [scheduled[:8]] * 3, PLAIN: [[1.1] * 8] * 3}, chooser.params.margin) == PLAIN
     verdict = chooser.verdicts[0]
     assert verdict["winner"] == PLAIN and not verdict["told_apart"] and chooser.mode == PLAIN, verdict
 
 
 def test_followers_run_the_same_modes_from_rank_0_proposals_only():
-    leader, follower = ModeChooser(warmup=2, trial=2, hold=5, min_retrial=2), ModeChooser(warmup=2, trial=2, hold=5, min_retrial=2)
+    leader, follower = ModeChooser(ModeSwitchParams(warmup=2, trial=2, hold=5, min_retrial=2)), ModeChooser(ModeSwitchParams(warmup=2, trial=2, hold=5, min_retrial=2))
     noisy = [1.0, 1.4, 0.9, 1.2, 1.1, 0.8]
     _drive(leader, lambda mode, step: noisy[step % 6] * (1.0 if mode == SCHEDULED else 1.05), 80, follower)
     assert follower.history == leader.history and follower.decisions == leader.decisions > 3
 
 
 def test_stop_fixes_the_scheduled_path_and_continue_is_only_for_trials():
-    chooser = ModeChooser(warmup=1, settle=0, trial=1, pairs=1, hold=2, min_retrial=1)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=1, pairs=1, hold=2, min_retrial=1))
     while not chooser.end_step():
         pass
     chooser.adopt(STOP)
     assert chooser.fixed and chooser.mode == SCHEDULED
     assert not any(chooser.end_step() for _ in range(50)) and chooser.mode == SCHEDULED
-    held = ModeChooser(warmup=1, settle=0, trial=1, pairs=1, hold=2, min_retrial=1)
+    held = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=1, pairs=1, hold=2, min_retrial=1))
     while not held.end_step():
         pass
     held.adopt(CHOOSE_PLAIN)
@@ -440,7 +439,7 @@ def test_stop_fixes_the_scheduled_path_and_continue_is_only_for_trials():
     held.adopt(CHOOSE_SCHEDULED)
     assert held.mode == SCHEDULED
     with pytest.raises(ValueError, match="at least"):
-        ModeChooser(trial=0, min_retrial=0)
+        ModeChooser(ModeSwitchParams(trial=0, min_retrial=0))
 
 
 # --------------------------------------------------------------------------- the plain path, alone
@@ -492,7 +491,7 @@ SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clea
 
 
 def _modes(optimizer):
-    return "".join(mode[0] for mode in optimizer._bytescheduler._switch.chooser.history)
+    return "".join(mode[0] for mode in optimizer._bytescheduler.chooser.history)
 
 
 def _pair(make_model, make_optimizer, ddp_options=None, **options):
@@ -608,7 +607,7 @@ def _unused(rank):
             opt.step()
     optimizer.synchronize()
     out = dict(same=_same(ours, theirs), modes=_modes(optimizer),
-               fixed=optimizer._bytescheduler._switch.chooser.fixed)
+               fixed=optimizer._bytescheduler.chooser.fixed)
     optimizer.close()
     return out
 
@@ -617,7 +616,7 @@ def _second_backward_in_plain_mode(rank):
     import bytescheduler.pytorch as bsp
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(warmup=1, settle=0, trial=1, pairs=1, hold=1000, trial_seconds=0)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=1, settle=0, trial=1, pairs=1, hold=1000, trial_seconds=0).text()
     model = nn.Linear(4, 2)
     optimizer = bsp.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(3, 4)
@@ -639,7 +638,7 @@ def _second_backward_in_plain_mode(rank):
 def _switch_cases(rank, world_size):
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(SHORT)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(**SHORT).text()
     return dict(models=_models(rank), accumulate=_accumulate_and_clip(rank), unused=_unused(rank),
                 second=_second_backward_in_plain_mode(rank))
 
@@ -720,7 +719,7 @@ def _hook_switch(rank, world_size):
     from bytescheduler_tools.bench.models import build
     from bytescheduler.core import modes
 
-    modes.CHOOSER_OPTIONS.update(SHORT)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(**SHORT).text()
     torch.manual_seed(0)
     ours = DDP(build("cnn-small")[0], bucket_cap_mb=0.05)
     torch.manual_seed(0)
@@ -759,3 +758,25 @@ def test_the_hook_switches_between_ddps_path_and_the_schedule_with_ddps_numbers(
     first, second = runs[0]["modes"], runs[1]["modes"]
     assert first == second and first.startswith("sssssp"), (first, second)
     assert first.count("sp") + first.count("ps") >= 4, first
+
+
+def test_the_mode_switch_parameters_come_as_one_object_from_any_source():
+    from bytescheduler.core import SchedulerConfig
+
+    given = ModeSwitchParams(hold=400, trial_seconds=1.5)
+    assert ModeSwitchParams.parse("hold=400, trial_seconds=1.5") == given == ModeSwitchParams.parse(
+        {"hold": "400", "trial_seconds": 1.5})
+    assert SchedulerConfig.resolve(environ={"BYTESCHEDULER_MODE_SWITCH": given.text()}).mode_switch == given
+    config = SchedulerConfig.resolve(environ={"BYTESCHEDULER_MODE_SWITCH": "hold=9"}, mode_switch={"hold": 400})
+    assert config.mode_switch.hold == 400 and config.source("mode_switch") == "argument"
+    assert ModeChooser(given).params.hold == 400 and ModeChooser().params == ModeSwitchParams()
+    with pytest.raises(TypeError, match="unknown mode-switch parameter.*'hodl'"):
+        ModeSwitchParams.parse("hodl=3")
+    with pytest.raises(ValueError, match="hold='soon' is not a number"):
+        ModeSwitchParams.parse("hold=soon")
+    with pytest.raises(ValueError, match="field=value"):
+        ModeSwitchParams.parse("hold")
+    with pytest.raises(ValueError, match="at least 1"):
+        SchedulerConfig(mode_switch=None).with_options(mode_switch="hold=0")
+    with pytest.raises(TypeError, match="ModeSwitchParams"):
+        ModeChooser({"hold": 3})

@@ -119,10 +119,10 @@ def _busy_under_concurrent_transitions(rank, world_size):
     def flip(engine):
         state = next(iter(engine.states.values()))
         for _ in range(20_000):
-            with engine._cond:
-                engine._set_stage(state, QUEUED)
-            with engine._cond:
-                engine._set_stage(state, IDLE)
+            with engine.progress.cond:
+                engine.progress.set_stage(state, QUEUED)
+            with engine.progress.cond:
+                engine.progress.set_stage(state, IDLE)
 
     threads = [threading.Thread(target=flip, args=(engine,)) for engine in engines for _ in range(2)]
     for thread in threads:
@@ -160,3 +160,12 @@ def test_updates_are_batched_by_group_and_step_in_forward_order_and_size():
     keys = [[s.key for s in batch] for batch in batches]
     # Forward order within a step; a new group starts a batch; a batch stays under BATCH_ELEMENTS.
     assert keys == [[1, 2, 0], [3], [5], [6], [4]], keys
+
+
+def test_the_shared_progress_docstring_example_runs():
+    import doctest
+
+    from bytescheduler.pytorch import progress
+
+    result = doctest.testmod(progress)
+    assert result.failed == 0 and result.attempted > 0, result

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bytescheduler.core.config import SchedulerConfig
-from bytescheduler.core.modes import PLAIN, SCHEDULED, ModeChooser
+from bytescheduler.core.modes import PLAIN, SCHEDULED, ModeChooser, ModeSwitchParams
 from bytescheduler.core.plan import Plan, read_plan
 from bytescheduler_tools.sim.network import Network
 from bytescheduler_tools.sim.planner import search
@@ -135,7 +135,7 @@ def test_a_plan_replaces_the_defaults_and_explicit_settings_win(tmp_path):
 
 
 def test_a_plain_start_holds_the_plain_path_then_tries_the_schedule():
-    chooser = ModeChooser(warmup=1, settle=0, trial=2, pairs=1, hold=3, start=PLAIN, min_retrial=2)
+    chooser = ModeChooser(ModeSwitchParams(warmup=1, settle=0, trial=2, pairs=1, hold=3, min_retrial=2), start=PLAIN)
     times = {SCHEDULED: 0.5, PLAIN: 1.0}
     for _ in range(10):
         chooser.record(times[chooser.mode])
@@ -194,7 +194,7 @@ def _plain_plan(rank, plan):
     plain_steps = []
     _train(rank, ours, optimizer, theirs, baseline, each=lambda: plain_steps.append(engine.plain))
     optimizer.synchronize()
-    out = dict(same=_same(ours, theirs), plain=plain_steps, first=engine._switch.chooser.history[0],
+    out = dict(same=_same(ours, theirs), plain=plain_steps, first=engine.chooser.history[0],
                operations=engine.scheduler.stats["operations"], start_plain=engine.scheduler.config.start_plain)
     optimizer.close()
     return out

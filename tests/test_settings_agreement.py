@@ -112,7 +112,7 @@ def test_settings_on_one_rank_only_come_from_rank_0_and_the_numbers_stay_ddps(ad
         for variable in ("BYTESCHEDULER_TIMEOUT", "BYTESCHEDULER_PARTITION", "BYTESCHEDULER_ADAPTIVE",
                          "BYTESCHEDULER_TUNING", "BYTESCHEDULER_CYCLE_TIME"):
             assert variable in text, text
-        assert "rank 1: timeout (BYTESCHEDULER_TIMEOUT) is 45.0 here but 300.0 on rank 0" in text, text
+        assert "rank 1: timeout (BYTESCHEDULER_TIMEOUT) is 45.0 here (from the environment) but 300.0 on rank 0" in text, text
     # Each rank's own: the timeline and the debug level of the configured rank only.
     configured_rank, other = ranks[configured], ranks[1 - configured]
     assert configured_rank["effective"]["timeline"].endswith("trace.json") and other["effective"]["timeline"] is None

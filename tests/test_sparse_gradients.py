@@ -4,6 +4,7 @@ scheduled path and while the mode switch alternates paths, with accumulation too
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 import torch.nn as nn
@@ -51,7 +52,7 @@ def _hook(rank, world_size, adaptive, kind):
     from bytescheduler.core import modes
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    modes.CHOOSER_OPTIONS.update(SHORT)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(**SHORT).text()
     theirs, ours = DDP(_Recommender()), DDP(_Recommender())
     state = bsp.ScheduledHookState(adaptive=adaptive, partition_bytes="1KiB", credit_bytes="4KiB")
     ours.register_comm_hook(state, bsp.scheduled_allreduce_hook)
@@ -71,7 +72,7 @@ def _optimizer_case(rank, world_size, adaptive, kind, passes):
     from bytescheduler.core import modes
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    modes.CHOOSER_OPTIONS.update(SHORT)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(**SHORT).text()
     theirs, ours = DDP(_Recommender()), _Recommender()
     baseline = _optimizer(kind, theirs.parameters())
     optimizer = bsp.ScheduledOptimizer(ours, _optimizer(kind, ours.parameters()), adaptive=adaptive,
@@ -90,8 +91,8 @@ def _optimizer_case(rank, world_size, adaptive, kind, passes):
         optimizer.step()
         baseline.step()
     optimizer.synchronize()
-    switch = optimizer._bytescheduler._switch
-    modes_run = "" if switch is None else "".join(m[0] for m in switch.chooser.history)
+    chooser = optimizer._bytescheduler.chooser
+    modes_run = "" if chooser is None else "".join(m[0] for m in chooser.history)
     optimizer.close()
     return dict(differences=_differences(ours, theirs.module), modes=modes_run)
 

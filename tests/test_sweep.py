@@ -87,7 +87,7 @@ def test_the_parameter_servers_default_partition_follows_the_servers_in_every_cl
     # No --partition: each cluster gets the adapter's own default, which for ScheduledKVStore
     # depends on the number of servers (one per rank, or --servers) and, on 1-2 servers, on
     # the link, as its probe at the first init chooses (whole keys on a fast one).
-    from bytescheduler.core.config import server_grain_bytes
+    from bytescheduler.core.grain import server_grain_bytes
 
     profile = Profile("big", (Layer("a", 0.01, (Tensor(3 * MiB, 0.1),)),), backward_s=0.1, step_s=0.0)
     rows = Sweep(profile, "ps-scheduled", latency=0.0).run([2, 32], ["1gbit", "10gbit"])

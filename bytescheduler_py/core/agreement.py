@@ -23,17 +23,18 @@ framework's collective), and then:
 >>> agreed.partition_bytes, agreed.timeline
 (4194304, 't.json')
 >>> print(notes[0])
-rank 1: partition_bytes (BYTESCHEDULER_PARTITION) is 1024 here but 4194304 on rank 0; using rank 0's value
+rank 1: partition_bytes (BYTESCHEDULER_PARTITION) is 1024 here (an argument) but 4194304 on rank 0; using rank 0's value
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .config import ENVIRONMENT_OF, SchedulerConfig
 from .errors import ByteSchedulerError, RankFailed
 from .log import logger
+from .modes import ModeSwitchParams
 
 # (name, shape, dtype, sparse): one parameter as every rank describes it.
 ParamInfo = Tuple[str, Tuple[int, ...], str, bool]
@@ -42,7 +43,7 @@ Layout = Optional[Sequence[ParamInfo]]
 Report = Tuple[Optional[SchedulerConfig], Optional[List[ParamInfo]], Optional[str]]
 
 FROM_RANK_0 = ("partition_bytes", "credit_bytes", "merge", "fast_lane_bytes", "timeout", "auto_tune", "cycle_ms",
-               "adaptive", "start_plain")
+               "adaptive", "start_plain", "mode_switch")
 # A plan file is read where it is given; what it set (partition, credit, start_plain) is agreed.
 PER_RANK = ("timeline", "log_level", "plan", "grad_views")
 
@@ -57,9 +58,33 @@ def from_rank_0(mine: SchedulerConfig, leader: SchedulerConfig, rank: int) -> Tu
     for field in FROM_RANK_0:
         own, theirs = getattr(mine, field), getattr(leader, field)
         if own != theirs:
-            notes.append(f"rank {rank}: {_name(field)} is {own!r} here but {theirs!r} on rank 0; "
-                         "using rank 0's value")
+            notes.append(f"rank {rank}: {_name(field)} is {own!r} here ({_origin(mine, field)}) but {theirs!r} "
+                         "on rank 0; using rank 0's value")
     return replace(mine, **{field: getattr(leader, field) for field in FROM_RANK_0}), notes
+
+
+def shared_settings(config: SchedulerConfig) -> Dict[str, Any]:
+    """``config``'s values of :data:`FROM_RANK_0` as JSON values (for an adapter that sends
+    rank 0's settings as text; :func:`with_shared_settings` reads them back).
+
+    >>> import json
+    >>> config = SchedulerConfig(partition_bytes=1024, mode_switch=ModeSwitchParams(hold=40))
+    >>> sent = json.loads(json.dumps(shared_settings(config)))
+    >>> with_shared_settings(SchedulerConfig(), sent) == config
+    True
+    """
+    values = {field: getattr(config, field) for field in FROM_RANK_0}
+    if values["mode_switch"] is not None:
+        values["mode_switch"] = values["mode_switch"].text()
+    return values
+
+
+def with_shared_settings(mine: SchedulerConfig, sent: Dict[str, Any]) -> SchedulerConfig:
+    """``mine`` with the values of :func:`shared_settings` (rank 0's), None ones included."""
+    values = dict(sent)
+    if values.get("mode_switch") is not None:
+        values["mode_switch"] = ModeSwitchParams.parse(values["mode_switch"])
+    return replace(mine, **values)
 
 
 def check_layouts(layouts: Sequence[Optional[Sequence[ParamInfo]]]) -> None:
@@ -132,6 +157,12 @@ def agree(config: SchedulerConfig, everyone: Sequence[Tuple[SchedulerConfig, Opt
 def _name(field: str) -> str:
     variable = ENVIRONMENT_OF.get(field)
     return f"{field} ({variable})" if variable else field
+
+
+def _origin(config: SchedulerConfig, field: str) -> str:
+    """Where this rank's value came from, in words: what to fix where it should not differ."""
+    return {"argument": "an argument", "environment": "from the environment", "plan": "from a plan",
+            "default": "the default"}[config.source(field)]
 
 
 def _describe(info: ParamInfo) -> str:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, Mapping, Optional
 
+from .modes import ModeSwitchParams
 from .plan import read_plan
 from .values import (  # noqa: F401 - the parsers are also this module's (their first home)
     MAX_TIMEOUT,
@@ -42,7 +43,11 @@ ENV_CYCLE = "BYTESCHEDULER_CYCLE_TIME"
 ENV_ADAPTIVE = "BYTESCHEDULER_ADAPTIVE"
 ENV_GRAD_VIEWS = "BYTESCHEDULER_GRAD_VIEWS"
 ENV_PLAN = "BYTESCHEDULER_PLAN"
+ENV_MODE_SWITCH = "BYTESCHEDULER_MODE_SWITCH"
 
+# Where a setting's value came from (SchedulerConfig.source), strongest last.
+DEFAULT, PLAN, ENVIRONMENT, ARGUMENT = "default", "plan", "environment", "argument"
+SOURCES = (DEFAULT, PLAN, ENVIRONMENT, ARGUMENT)
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,20 @@ class SchedulerConfig:
         Its partition, credit and choice to schedule or not (``start_plain``) take the place
         of the adapter's defaults: settings given explicitly (keywords, the environment)
         still win, and ``auto_tune`` starts its search from the plan's setting.
+    mode_switch: with ``adaptive``, how the mode switch times the two paths: a
+        :class:`~bytescheduler.core.modes.ModeSwitchParams` (or a dict of its fields, or
+        ``"hold=400,trial=8"``); None: the adapter's defaults.
+
+    Every config also records where each value came from (:meth:`source`): a keyword
+    argument, the environment, a plan or a default (the class's or the adapter's). A config
+    built directly, ``SchedulerConfig(credit_bytes=...)``, counts the values that differ from
+    the class defaults as arguments.
+
+    >>> config = SchedulerConfig.resolve(environ={"BYTESCHEDULER_CREDIT": "8MiB"}, timeout=60)
+    >>> config.source("credit_bytes"), config.source("timeout"), config.source("merge")
+    ('environment', 'argument', 'default')
+    >>> SchedulerConfig(credit_bytes=8).source("credit_bytes")
+    'argument'
     """
 
     partition_bytes: int = 4 * 1024**2
@@ -104,6 +123,33 @@ class SchedulerConfig:
     grad_views: bool = True
     start_plain: bool = False
     plan: Optional[str] = None
+    mode_switch: Optional[ModeSwitchParams] = None
+    # field -> where its value came from (DEFAULT when absent); None: built directly (see above).
+    sources: Optional[Mapping[str, str]] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            given = [f.name for f in fields(self) if f.name in _PARSERS and getattr(self, f.name) != f.default]
+            object.__setattr__(self, "sources", dict.fromkeys(given, ARGUMENT))
+        elif not isinstance(self.sources, dict):
+            object.__setattr__(self, "sources", dict(self.sources))
+
+    def source(self, name: str) -> str:
+        """Where setting ``name``'s value came from: ``"argument"`` (a keyword, or a config built
+        with it), ``"environment"``, ``"plan"`` or ``"default"`` (the class's or the adapter's)."""
+        if name not in _PARSERS:
+            raise KeyError(f"{name!r} is not a scheduler option; use one of {sorted(_PARSERS)}")
+        return self.sources.get(name, DEFAULT)
+
+    def given(self, name: str) -> bool:
+        """True when setting ``name`` was chosen (an argument, the environment or a plan), not a default."""
+        return self.source(name) != DEFAULT
+
+    def _with(self, values: Mapping[str, Any], source: str) -> "SchedulerConfig":
+        """A copy with ``values`` (already parsed) set, recorded as coming from ``source``."""
+        sources: Dict[str, str] = dict(self.sources)
+        sources.update((name, source) for name in values)
+        return replace(self, **values, sources=sources)
 
     @classmethod
     def resolve(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional["SchedulerConfig"] = None,
@@ -115,18 +161,18 @@ class SchedulerConfig:
         Keywords whose value is None are ignored, so adapters can pass their arguments through.
         """
         env = os.environ if environ is None else environ
-        base = defaults if defaults is not None else cls()
+        # The defaults are defaults, however they were built (an adapter's are built directly).
+        base = replace(defaults if defaults is not None else cls(), sources={})
         plan = overrides.get("plan") if overrides.get("plan") is not None else env.get(ENV_PLAN) or None
         if plan is not None:
             base = base.with_plan(plan)
-        values = {
-            field: _PARSERS[field](env[name], name)
-            for name, field in _ENVIRONMENT.items()
+        from_environment = {
+            option: _PARSERS[option](env[name], name)
+            for name, option in _ENVIRONMENT.items()
             # An empty BYTESCHEDULER_DEBUG means "off"; other empty variables are unset.
             if env.get(name) or (name == ENV_DEBUG and name in env)
         }
-        values.update(_parse_options(overrides))
-        return replace(base, **values)
+        return base._with(from_environment, ENVIRONMENT)._with(_parse_options(overrides), ARGUMENT)
 
     @classmethod
     def build(cls, config: Optional["SchedulerConfig"] = None, defaults: Optional["SchedulerConfig"] = None,
@@ -150,7 +196,7 @@ class SchedulerConfig:
         """A copy with the given keywords (None ones ignored) parsed and applied; no environment.
         A ``plan`` is applied first, so the other keywords override it."""
         base = self if overrides.get("plan") is None else self.with_plan(overrides["plan"])
-        return replace(base, **_parse_options(overrides))
+        return base._with(_parse_options(overrides), ARGUMENT)
 
     def with_plan(self, path: Any) -> "SchedulerConfig":
         """A copy with the settings of the plan in file ``path``: its partition and credit,
@@ -167,61 +213,8 @@ class SchedulerConfig:
         """
 
         plan = read_plan(path)
-        return replace(self, plan=os.fspath(path), partition_bytes=plan.partition_bytes,
-                       credit_bytes=plan.credit_bytes, start_plain=not plan.schedule)
-
-
-# Sub-keys in flight per parameter server under the credit (server_grain_bytes).
-SUBKEYS_PER_SERVER = 8
-
-
-def server_grain_bytes(servers: int, credit_bytes: int = 64 * 1024**2) -> int:
-    """ScheduledKVStore's default partition (and server grain) for ``servers`` parameter servers.
-
-    A sub-key below MXNet's big-array bound (1,000,000 elements: any grain up to 2 MiB of
-    float32) lives whole on one server, chosen by MXNet's key hash, so under a credit of
-    ``credit_bytes`` about ``credit_bytes / grain`` sub-keys are in flight, a few per server:
-    with too few, some servers' links idle while others queue; each sub-key also costs a
-    request. The grain is the largest power of two that keeps eight per server in flight,
-    4 MiB at most (the size measured best on 2 servers; a 4 MiB sub-key is above the bound
-    and MXNet spreads it over every server) and 256 KiB at least (docs/simulator.md, "The
-    grain and the number of servers").
-
-    >>> [server_grain_bytes(n) // 1024 for n in (1, 2, 4, 8, 16, 32, 64, 256)]
-    [4096, 4096, 2048, 1024, 512, 256, 256, 256]
-    """
-    if servers < 1:
-        raise ValueError(f"servers must be at least 1, not {servers}")
-    share = max(1, credit_bytes // (SUBKEYS_PER_SERVER * servers))
-    return max(256 * 1024, min(4 * 1024**2, 1 << (share.bit_length() - 1)))
-
-
-# ScheduledKVStore's grain when none is given (bytescheduler/mxnet/grain.py probes the link
-# for it; the simulator uses the simulated link's rate): whole keys at or above this push+pull
-# rate (bytes of the key per second) on at most COARSE_SERVERS servers, else sub-keys of
-# server_grain_bytes.
-FAST_LINK_BYTES_PER_S = 250 * 1000**2
-COARSE_GRAIN_BYTES = 64 * 1024**2
-COARSE_SERVERS = 2
-
-
-def choose_grain(rate: float, servers: int, credit_bytes: int = 64 * 1024**2) -> int:
-    """ScheduledKVStore's server grain for a link whose push+pull runs at ``rate`` bytes per
-    second, with ``servers`` servers.
-
-    Sub-keys cost a request and a server update each per step and win where the link is slow
-    (the servers return a large layer's first parts while the rest is pushed): on 2 servers
-    4 MiB ones measured 0.99-1.09x of ``dist_sync`` at 1 Gbit/s and 0.92x on CPU-bound
-    loopback, where whole keys measured 0.98x and 1.01-1.03x. Whole keys (:data:`COARSE_GRAIN_BYTES`, every key of the bench's
-    models) only on 1-2 servers: from 4 servers on, the simulator predicts grains finer than
-    4 MiB winning even at 12.6 Gbit/s (docs/simulator.md, "The grain and the number of servers").
-
-    >>> [choose_grain(rate, servers) // 1024 for rate, servers in ((100e6, 2), (400e6, 2), (400e6, 8))]
-    [4096, 65536, 1024]
-    """
-    if rate >= FAST_LINK_BYTES_PER_S and servers <= COARSE_SERVERS:
-        return COARSE_GRAIN_BYTES
-    return server_grain_bytes(servers, credit_bytes)
+        return self._with({"plan": os.fspath(path), "partition_bytes": plan.partition_bytes,
+                           "credit_bytes": plan.credit_bytes, "start_plain": not plan.schedule}, PLAN)
 
 
 _PARSERS = {
@@ -238,6 +231,7 @@ _PARSERS = {
     "grad_views": parse_bool,
     "start_plain": parse_bool,
     "plan": lambda value, name: os.fspath(value),
+    "mode_switch": ModeSwitchParams.parse,
 }
 
 
@@ -254,6 +248,7 @@ _ENVIRONMENT = {
     ENV_ADAPTIVE: "adaptive",
     ENV_GRAD_VIEWS: "grad_views",
     ENV_PLAN: "plan",
+    ENV_MODE_SWITCH: "mode_switch",
 }
 
 

@@ -1,15 +1,15 @@
-"""The scheduler runtime: threads, lifecycle and errors around the policy or the follower.
+"""The scheduler: what a framework adapter calls to have its tensors communicated.
 
 A framework adapter :meth:`~Scheduler.submit`\\ s a :class:`~bytescheduler.core.task.Task`
 when a tensor is ready; its future resolves once every piece was communicated. What goes
 when is not decided here: on rank 0 (or a rank alone) the
 :class:`~bytescheduler.core.policy.SchedulingPolicy` decides, and its decisions are
 published on the :class:`~bytescheduler.core.ordering.OrderChannel`; on the other ranks a
-:class:`~bytescheduler.core.follower.Follower` replays them. This module only runs them:
-a dispatcher thread takes the decided operations and launches them through the
-:class:`~bytescheduler.core.backend.Backend`, a receiver thread (followers) reads the
-channel, completions release credit and resolve futures, a watchdog turns stuck
-operations into errors, and one :class:`State` tells where the scheduler is in its life.
+:class:`~bytescheduler.core.follower.Follower` replays them. Nor are they run here: the
+:class:`~bytescheduler.core.runtime.Runtime` does (a dispatcher thread launches the decided
+operations through the :class:`~bytescheduler.core.backend.Backend`, completions release
+credit and resolve futures, a watchdog turns stuck operations into errors), and its
+:class:`State` tells where the scheduler is in its life.
 
 >>> from bytescheduler.core import Scheduler, Task
 >>> class Immediate:
@@ -23,7 +23,6 @@ operations into errors, and one :class:`State` tells where the scheduler is in i
 
 from __future__ import annotations
 
-import enum
 import itertools
 import threading
 import time
@@ -31,34 +30,17 @@ from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from .backend import Backend
 from .config import SchedulerConfig
-from .errors import CallbackError, CommunicationTimeout, ErrorLatch, SchedulerClosed, as_library_error
 from .follower import Follower
 from .ledger import Ledger
 from .log import configure_logging, logger
-from .ordering import OrderChannel, encode_ops, encode_stop
+from .ordering import OrderChannel
 from .policy import SchedulingPolicy
-from .receiver import DecisionReceiver
-from .task import Operation, Task, TaskFuture
+from .runtime import Runtime, State
+from .task import Task, TaskFuture
 from .timeline import Timeline
 from .tuning import AutoTuner
 
 _epochs = itertools.count()
-# How often waiting threads wake to check deadlines (seconds).
-_WATCH_INTERVAL = 0.5
-# Operations decided, published and launched at a time: a large credit admits thousands of
-# pieces at once, and objects that live that long cost the garbage collector more than
-# they cost to make; a smaller batch also lets a tensor that comes in meanwhile go first.
-_BATCH = 1024
-
-
-class State(enum.Enum):
-    """Where a scheduler is in its life (one value at a time, guarded by its lock)."""
-
-    RUNNING = "running"  # accepts tasks
-    DRAINING = "draining"  # stop(wait=True): communicates what was submitted, then ends
-    FAILED = "failed"  # an operation failed; threads end; stop() still has to be called
-    ABANDONED = "abandoned"  # stop(wait=False), or a failure while draining: work is given up
-    STOPPED = "stopped"  # stop() returned: threads joined, futures resolved
 
 
 class Scheduler:
@@ -92,7 +74,6 @@ class Scheduler:
         self.config = config = SchedulerConfig.build(config, **options)
         self.rank = rank
         configure_logging(config.log_level, rank)
-        self._backend = backend
         self._channel = channel
         self._leader = channel is None or channel.is_leader
         lanes = max(1, int(getattr(backend, "num_lanes", 1)))
@@ -103,9 +84,6 @@ class Scheduler:
         # on and notified through the condition: once or twice per operation on the hot path.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._state = State.RUNNING
-        self._latch = ErrorLatch()
-        self._cancel = threading.Event()  # set once work is given up: every thread ends
         self._ledger = Ledger(rank)
         # What decides: the policy on rank 0 (or alone), the replay of its decisions elsewhere.
         self._decider: Union[SchedulingPolicy, Follower]
@@ -114,13 +92,9 @@ class Scheduler:
                                              config.fast_lane_bytes, lanes, config.cycle_ms / 1000.0)
         else:
             self._decider = Follower(rank, lanes, self._ledger)
-        self._next_deadline_check = 0.0
-        self._sleepers = 0  # threads waiting on _cond
-        self._flushers = 0  # of which in flush(), waiting for nothing to be pending
-        self._ops_launched = 0
-        self._pieces_launched = 0
-
         self._timeline = Timeline(config.timeline, rank) if config.timeline else None
+        self._runtime = Runtime(backend, channel, self._leader, self._decider, self._ledger, self._lock, self._cond,
+                                self._epoch, rank, self._timeline, lambda: self.config.timeout)
         # Followers replay rank 0's pieces: only the deciding rank tunes.
         self.tuner: Optional[AutoTuner] = None
         if config.auto_tune and self._leader:
@@ -129,15 +103,7 @@ class Scheduler:
 
         role = "alone" if channel is None else ("leader" if self._leader else "follower")
         logger.debug("scheduler epoch %d starts as %s: %s", self._epoch, role, config)
-        self._threads = [threading.Thread(target=self._run_dispatch, name=f"bytescheduler-dispatch-r{rank}",
-                                          daemon=True)]
-        if not self._leader:
-            follower = self._decider
-            idle = lambda: follower.undecided_elements <= 0 and self._state is State.RUNNING  # noqa: E731
-            self._threads.append(DecisionReceiver(channel, self._epoch, follower, self._cond, idle, self._sleep,
-                                                  self._cancel, self._fail, f"bytescheduler-receive-r{rank}").thread)
-        for thread in self._threads:
-            thread.start()
+        self._runtime.start()
 
     # ------------------------------------------------------------------ public API
 
@@ -146,17 +112,18 @@ class Scheduler:
         Raises the scheduler's error if an earlier operation failed."""
         now = time.perf_counter()
         task.ready_time = now
+        runtime = self._runtime
         with self._lock:
-            if self._latch or self._state is not State.RUNNING:
-                self._raise_if_unusable()
+            if runtime.latch or runtime.state is not State.RUNNING:
+                runtime.raise_if_unusable()
             if task.numel > 0:
                 self._ledger.add(task)
                 # While the credit is full (most of a backward pass on a slow link) there is
                 # nothing to launch, and a wake-up would only cost the busy core a switch.
-                if self._decider.add(task, now) and self._sleepers:
+                if self._decider.add(task, now) and runtime.sleepers:
                     self._cond.notify_all()
                 return task.future
-        self._resolve(task)
+        runtime.resolve(task)
         return task.future
 
     def offer(self, task: Task) -> TaskFuture:
@@ -169,7 +136,7 @@ class Scheduler:
             return self.submit(task)
         task.ready_time = time.perf_counter()
         with self._lock:
-            self._raise_if_unusable()
+            self._runtime.raise_if_unusable()
             self._ledger.offer(task)
             self._decider.undecided_elements += task.numel
             self._cond.notify_all()
@@ -209,13 +176,13 @@ class Scheduler:
         """End a :meth:`hold` of ``iteration`` (after submitting what it waited for)."""
         if self._leader:
             with self._lock:
-                if self._decider.release(iteration) and self._sleepers:
+                if self._decider.release(iteration) and self._runtime.sleepers:
                     self._cond.notify_all()
 
     def poke(self) -> None:
         """Something a provider depends on changed: let the dispatcher look again."""
         with self._lock:
-            if self._sleepers:
+            if self._runtime.sleepers:
                 self._cond.notify_all()
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -225,20 +192,8 @@ class Scheduler:
         deadline = time.monotonic() + limit
         with self._lock:
             self._end_burst_locked()
-            self._flushers += 1
-            try:
-                while self._ledger.pending and not self._latch:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise CommunicationTimeout(
-                            f"rank {self.rank}: {len(self._ledger.pending)} tensor(s) not communicated within "
-                            f"{limit} s (e.g. {next(iter(self._ledger.pending.values()))}); is every rank "
-                            "submitting the same tensors, and is every peer alive?"
-                        )
-                    self._sleep(min(remaining, _WATCH_INTERVAL))
-            finally:
-                self._flushers -= 1
-            self._latch.raise_if_set()
+            self._runtime.wait_communicated(deadline, limit)
+            self._runtime.latch.raise_if_set()
 
     def end_burst(self) -> None:
         """No more tensors are coming soon (e.g. backward ended): what is queued stops waiting
@@ -248,12 +203,12 @@ class Scheduler:
                 self._end_burst_locked()
 
     def _end_burst_locked(self) -> None:
-        if self._decider.end_burst() and self._sleepers:
+        if self._decider.end_burst() and self._runtime.sleepers:
             self._cond.notify_all()
 
     def check(self) -> None:
         """Raise the error of a failed communication operation, if any."""
-        self._latch.raise_if_set()
+        self._runtime.latch.raise_if_set()
 
     def set_timeout(self, seconds: float) -> None:
         """Wait at most ``seconds`` for an operation or a peer from now on (e.g. rank 0's
@@ -263,7 +218,7 @@ class Scheduler:
 
     @property
     def state(self) -> State:
-        return self._state
+        return self._runtime.state
 
     @property
     def timeline(self) -> Optional[Timeline]:
@@ -288,7 +243,7 @@ class Scheduler:
     @property
     def abandoned(self) -> bool:
         """True once queued work was given up (``stop(wait=False)`` or a failure)."""
-        return self._cancel.is_set()
+        return self._runtime.abandoned
 
     @property
     def in_flight_bytes(self) -> int:
@@ -302,8 +257,8 @@ class Scheduler:
     def stats(self) -> Dict[str, int]:
         fast = self._decider.fast
         return {
-            "operations": self._ops_launched,
-            "pieces": self._pieces_launched,
+            "operations": self._runtime.ops_launched,
+            "pieces": self._runtime.pieces_launched,
             "peak_in_flight_bytes": self._decider.main.peak,
             "peak_fast_lane_bytes": fast.peak if fast is not None else 0,
             "partition_bytes": self.config.partition_bytes,
@@ -317,167 +272,17 @@ class Scheduler:
         channel can be reused); ``wait=False`` abandons queued work at once (e.g. after an
         exception in the training loop). Raises an operation's error not raised before.
         """
-        with self._lock:
-            if self._state not in (State.RUNNING, State.FAILED):
-                return
-            self._state = State.DRAINING if wait and self._state is State.RUNNING else State.ABANDONED
-            self._decider.drain()
-            if self._state is State.ABANDONED:
-                self._cancel.set()
-            self._cond.notify_all()
-        join_limit = time.monotonic() + (self.config.timeout + 5.0 if wait else 5.0)
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, join_limit - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
-        if stuck:
-            self._fail(CommunicationTimeout(f"rank {self.rank}: scheduler threads {stuck} did not stop in time"))
-        with self._lock:
-            abandoned = self._ledger.clear()
-            self._state = State.STOPPED
-        closed = SchedulerClosed(f"rank {self.rank}: the scheduler was stopped before this task was communicated")
-        for task in abandoned:
-            task.future.set_exception(closed)
+        if not self._runtime.stop(wait):
+            return
         if self._timeline is not None:
             self._timeline.close()
         logger.debug("scheduler epoch %d stopped: %s", self._epoch, self.stats)
-        if wait and not self._latch.raised:
-            self._latch.raise_if_set()
+        latch = self._runtime.latch
+        if wait and not latch.raised:
+            latch.raise_if_set()
 
     def __enter__(self) -> "Scheduler":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop(wait=exc_type is None)
-
-    # ------------------------------------------------------------------ threads
-
-    def _sleep(self, seconds: float) -> None:
-        """Wait on the condition (lock held), counted so that submit can skip the notify."""
-        self._sleepers += 1
-        try:
-            self._cond.wait(seconds)
-        finally:
-            self._sleepers -= 1
-
-    def _run_dispatch(self) -> None:
-        """The dispatcher thread: take what may go now, publish it (rank 0), launch it.
-
-        Only this thread launches: by the time it runs, more gradients are usually ready
-        and merge into fewer operations (docs/design.md, "All launches on the dispatcher").
-        """
-        decider = self._decider
-        publish = self._channel.publish if self._leader and self._channel is not None else None
-        try:
-            while True:
-                with self._lock:
-                    while True:
-                        if self._cancel.is_set():
-                            return
-                        now = time.perf_counter()
-                        ops = decider.decide(now, _BATCH)
-                        if ops or self._drained():
-                            break
-                        self._check_deadlines(now)
-                        held = decider.hold_remaining(now)
-                        self._sleep(min(held, _WATCH_INTERVAL) if held > 0 else _WATCH_INTERVAL)
-                    self._ledger.launched(ops, now)
-                if not ops:
-                    if publish is not None:
-                        publish(encode_stop(self._epoch))
-                    return
-                if publish is not None:
-                    publish(encode_ops(self._epoch, [
-                        (op.lane, [(p.task.key, p.task.generation, p.start, p.stop) for p in op.pieces])
-                        for op in ops]))
-                self._ops_launched += len(ops)
-                self._pieces_launched += sum(len(op.pieces) for op in ops)
-                launch, on_done = self._backend.launch, self._on_done
-                for op in ops:
-                    launch(op, op.on_done(on_done))  # the operation is its own callback
-        except BaseException as error:  # noqa: BLE001 - any failure must reach the user
-            self._fail(error)
-
-    def _drained(self) -> bool:
-        """True once nothing is left to do before the dispatcher ends (lock held)."""
-        if self._leader:
-            return self._state is State.DRAINING and not self._ledger.pending and not self._ledger.in_flight
-        return self._decider.drained()
-
-    # ------------------------------------------------------------------ completion
-
-    def _on_done(self, op: Operation, error: Optional[BaseException]) -> None:
-        """A backend finished ``op`` (on the backend's thread); never raises into it."""
-        if error is not None:
-            self._fail(error)
-            return
-        with self._lock:
-            finished = self._ledger.complete(op)
-            if finished is None:
-                return  # already failed and cleared
-            self._decider.finished(op)
-            if self._sleepers and self._completion_wakes(time.perf_counter()):
-                self._cond.notify_all()
-        timeline = self._timeline
-        if timeline is not None and timeline.recording:
-            timeline.operation(op, finished, time.perf_counter())
-        for task in finished:
-            self._resolve(task)
-
-    def _resolve(self, task: Task) -> None:
-        callback_error = task.future.set_result(task)
-        # The task and its future form a cycle only the garbage collector frees: let go of
-        # the payload (a gradient) now, so its memory is reused at once.
-        task.payload = None
-        if callback_error is not None:
-            self._fail(CallbackError(f"rank {self.rank}: a done-callback of {task} raised "
-                                     f"{type(callback_error).__name__}: {callback_error}"), callback_error)
-
-    def _completion_wakes(self, now: float) -> bool:
-        """Whether a completion changes anything a sleeping thread waits for (lock held).
-
-        A wake-up costs a thread switch and a GIL hand-off on the rank's busy core (~3 per
-        operation measured ~0.1 ms of CPU each), so completions wake only when the decider
-        says they matter (rank 0: queued work may go), when nothing is pending any more and
-        someone waits in ``flush``, or while the scheduler stops.
-        """
-        if (self._flushers and not self._ledger.pending) or self._state is not State.RUNNING:
-            return True
-        return self._decider.wake_on_completion(now)
-
-    # ------------------------------------------------------------------ errors
-
-    def _raise_if_unusable(self) -> None:
-        self._latch.raise_if_set()
-        if self._state is not State.RUNNING:
-            raise SchedulerClosed("the scheduler was stopped; create a new one to communicate again")
-
-    def _check_deadlines(self, now: float) -> None:
-        """Fail when an operation or a follower's wait has lasted longer than the timeout (lock held)."""
-        if now < self._next_deadline_check:
-            return
-        self._next_deadline_check = now + _WATCH_INTERVAL
-        self._ledger.check_in_flight(now, self.config.timeout)
-        if not self._leader:
-            self._decider.check_overdue(now, self.config.timeout)
-
-    def _fail(self, error: BaseException, cause: Optional[BaseException] = None) -> None:
-        """Record the first error, give up queued work and fail the futures of pending tasks."""
-        if cause is not None:
-            error.__cause__ = cause
-        with self._lock:
-            if self._latch:
-                return
-            error = as_library_error(error, self.rank)
-            logger.error("scheduler epoch %d failed: %s", self._epoch, error)
-            self._latch.set(error)
-            if self._state is State.RUNNING:
-                self._state = State.FAILED
-            elif self._state is State.DRAINING:
-                self._state = State.ABANDONED
-            self._cancel.set()
-            failed = self._ledger.clear()
-            self._decider.clear()
-            self._cond.notify_all()
-        for task in failed:
-            task.future.set_exception(error)

@@ -43,7 +43,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import mxnet as mx
 
-from ..core.agreement import FROM_RANK_0
+from ..core.agreement import shared_settings, with_shared_settings
 from ..core.backend import Done
 from ..core.call_thread import CallThread
 from ..core.config import SchedulerConfig
@@ -97,9 +97,9 @@ class _Waiters:
     MXNet's Python API has no completion callback, only blocking waits. A single thread that
     waits for the operations in the order they were issued reports one that finished early (a
     small key whose server is local, the first layers' pieces issued behind a large layer)
-    only once every older one finished, and its credit stays taken meanwhile: on VGG-like at
-    1 Gbit/s the first layers' pieces were reported 400-650 ms after they were done, and the
-    most urgent large layer waited that long for credit. So up to ``count`` operations in
+    only once every older one finished, and its credit stays taken meanwhile: the first
+    layers' pieces would be reported hundreds of milliseconds after they were done, and the
+    most urgent large layer would wait that long for credit. So up to ``count`` operations in
     flight each have a thread of their own blocked on them. The threads start with the store
     (daemon threads: a peer's death must not hold up the interpreter's exit); started on
     demand, a new peak of operations late in training would add threads, which reads as a
@@ -209,14 +209,14 @@ class KVBackend:
         if self._rank == 0:
             host = local_address(os.environ.get("DMLC_PS_ROOT_URI"))
             sent = {"host": host, "port": channel.serve(self._num_workers, host=host),
-                    "settings": {field: getattr(settings, field) for field in FROM_RANK_0}, "grain": grain}
+                    "settings": shared_settings(settings), "grain": grain}
         found = self.call(lambda: rank0_json(self._inner, key, sent, _SETTINGS_BYTES),
                           "exchanging rank 0's ordering address")
         if self._rank == 0:
             channel.accept()
         else:
             channel.join((found["host"], found["port"]))
-        return settings.with_options(**found["settings"]), found["grain"]
+        return with_shared_settings(settings, found["settings"]), found["grain"]
 
     def launch(self, op: Operation, done: Done) -> None:
         try:

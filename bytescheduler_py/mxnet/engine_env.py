@@ -38,4 +38,4 @@ def engine_hint(env: Dict[str, str]) -> Optional[str]:
     return ("set MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD=1 in the workers' environment before they start "
             "(bytescheduler mxnet-launch does): MXNet's engine otherwise finishes the backward pass in bulks of "
             "15 operators, a gradient is readable only when its bulk is done, and pushes overlap little of "
-            "the backward pass (ScheduledKVStore on VGG-like at 1 Gbit/s: 8% faster with it; docs/mxnet.md)")
+            "the backward pass (docs/mxnet.md)")

@@ -4,18 +4,17 @@ The grain (the size of the sub-keys large keys become on the servers, :mod:`.key
 at the first ``init``: the servers keep each key's value and optimizer state. Sub-keys cost
 every step a request and a server update each, CPU that the servers often take from the
 workers' own cores, and they win where the link is slow: a server updates and returns the
-first part of a large layer while the rest is still being pushed. Measured on 2 workers:
-4 MiB sub-keys 0.99-1.09x of
-``dist_sync`` on the VGG-like model at 1 Gbit/s, where 64 MiB (MXNet's own keys) is 0.98x;
-on the CPU-bound MLP on loopback 0.92x, where 64 MiB is 0.99x. No grain wins both.
+first part of a large layer while the rest is still being pushed. On a fast link whole keys
+(MXNet's own) win, on a slow one 4 MiB sub-keys: no grain wins both (docs/mxnet.md has the
+measurements).
 
 So unless the user fixes it (``grain_bytes=``, or a partition size given as an option, in the
 environment, a plan or a ``config``), rank 0 decides it at the first ``init``: every worker
 pushes and pulls a probe key a few times (collective, like ``init``), rank 0 times it, and
-picks the grain with :func:`~bytescheduler.core.config.choose_grain` (whole keys,
+picks the grain with :func:`~bytescheduler.core.grain.choose_grain` (whole keys,
 ``COARSE_GRAIN_BYTES``, at ``FAST_LINK_BYTES_PER_S`` or more on 1-2 servers, else
 ``server_grain_bytes``; on more servers the probe is not taken); every worker uses
-rank 0's grain (:meth:`ScheduledKVStore._start <bytescheduler.mxnet.kvstore.ScheduledKVStore>`).
+rank 0's grain (:meth:`DistKVStore._start <bytescheduler.mxnet.kvstore.DistKVStore._start>`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from typing import Any
 
 import mxnet as mx
 
-from ..core.config import COARSE_GRAIN_BYTES, COARSE_SERVERS, FAST_LINK_BYTES_PER_S, choose_grain
+from ..core.grain import COARSE_GRAIN_BYTES, COARSE_SERVERS, FAST_LINK_BYTES_PER_S, choose_grain
 
 __all__ = ["COARSE_GRAIN_BYTES", "COARSE_SERVERS", "FAST_LINK_BYTES_PER_S", "PROBE_BYTES", "PROBE_ROUNDS",
            "choose_grain", "probe_rate"]

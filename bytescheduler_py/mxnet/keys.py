@@ -9,8 +9,7 @@ one element per sub-key (:meth:`KeyInfo.task`), so every piece it cuts is a run 
 sub-keys, sent with one list-of-keys call. Changing the partition size therefore only regroups
 sub-keys and never touches server state; sizes below the grain are refused. The default grain
 is the initial ``partition_bytes``: each sub-key costs the servers a request and an optimizer
-call per step, so smaller grains are slower (1 MiB instead of 4 MiB made VGG-like training 28%
-slower at 1 Gbit/s).
+call per step, so smaller grains are slower (docs/mxnet.md).
 
 The servers' optimizer sees a sub-key as a key of its own: :meth:`KeyLayout.server_optimizer`
 gives every sub-key its parent's ``lr_mult``, ``wd_mult`` and name, and per-tensor-norm
@@ -173,8 +172,8 @@ class KeyInfo:
     def views(self, arr: Any) -> List[Any]:
         """A flat view of ``arr`` per sub-key (``[start, stop)`` of :attr:`grains`), made once
         per array: gluon passes the same gradient and weight arrays every step, and each view
-        costs MXNet a reshape or a slice in Python (tens of microseconds: 3-4 ms per step of
-        VGG-like's 4 MiB sub-keys). A view shares its array's memory and engine variable, so it
+        costs MXNet a reshape or a slice in Python (tens of microseconds, milliseconds per step
+        over a model's sub-keys). A view shares its array's memory and engine variable, so it
         stays valid as long as the array (which the cache holds)."""
         entry = self._views.get(id(arr))
         if entry is None or entry[0] is not arr:

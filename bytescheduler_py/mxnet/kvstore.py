@@ -11,6 +11,10 @@
     ... train ...
     kv.close()                       # or leave it to interpreter exit
 
+``ScheduledKVStore(store, ...)`` decides at construction what the store is: a
+:class:`DistKVStore` over a ``dist_*`` store, a :class:`PassThroughKVStore` over any other
+(``local``, ``device``, ...). Both are ``ScheduledKVStore`` instances with the same API.
+
 On a ``dist_*`` store every ``pushpull``, ``push`` and ``pull`` becomes a
 :class:`~bytescheduler.core.task.Task` of the core :class:`~bytescheduler.core.scheduler.Scheduler`:
 priority ``-priority`` (MXNet: higher goes sooner; the Trainer passes ``-i``, so the first layers
@@ -46,12 +50,13 @@ import logging
 import os
 import threading
 from dataclasses import replace
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mxnet as mx
 
 from ..core.agreement import from_rank_0
-from ..core.config import SchedulerConfig, Size, parse_bool, parse_size, server_grain_bytes
+from ..core.config import SchedulerConfig, Size, parse_bool, parse_size
+from ..core.grain import server_grain_bytes
 from ..core.errors import ByteSchedulerError, ErrorLatch
 from ..core.modes import ModeDriver
 from ..core.scheduler import Scheduler
@@ -68,8 +73,7 @@ __all__ = ["ScheduledKVStore", "SUBKEY_BASE", "KNOWN_TYPES", "KVSTORE_DEFAULTS",
 log = logging.getLogger("bytescheduler.mxnet")
 
 # A push+pull holds its credit until the servers heard from every worker, so the parameter
-# server needs a larger credit than an all-reduce to keep the link busy: 64 MiB measured 1.04x
-# of dist_sync at 1 Gbit/s and 1.00x at 2 Gbit/s, against 1.02x and 0.93x with 16 MiB.
+# server needs a larger credit than an all-reduce to keep the link busy (docs/mxnet.md).
 # Rank 0 also times MXNet's own calls against the schedule and runs the faster (plain.py).
 # The partition (and so the grain) follows the number of servers: server_grain_bytes, 4 MiB
 # on 1-2 servers.
@@ -104,6 +108,11 @@ KNOWN_TYPES = frozenset({
 })
 
 
+def _names_dist(store: Any) -> bool:
+    """Whether ``store`` (an MXNet store or a type string) is a ``dist_*`` store."""
+    return "dist" in str(getattr(store, "type", store)).lower()
+
+
 def _inner_store(store: Any) -> Any:
     """The MXNet store to wrap: ``store`` itself, or a new one of the type ``store`` names."""
     if isinstance(store, ScheduledKVStore):
@@ -124,18 +133,33 @@ def _inner_store(store: Any) -> Any:
     return inner
 
 
-def _passes_through(method: Callable) -> Callable:
-    """On a store that is not ``dist_*``, call the inner store's method of the same name instead."""
-    @functools.wraps(method)
-    def call(self: "ScheduledKVStore", *args: Any, **kwargs: Any) -> Any:
-        if not self._scheduled:
-            return getattr(self._inner, method.__name__)(*args, **kwargs)
-        return method(self, *args, **kwargs)
-    return call
+def _settings(defaults: Callable[[], SchedulerConfig], grain_bytes: Optional[Size],
+              config: Optional[SchedulerConfig], options: Dict[str, Any]) -> Tuple[SchedulerConfig, Optional[int]]:
+    """The store's scheduler settings (``merge`` off) over ``defaults()``, and the grain it asks
+    for: ``grain_bytes``, else a partition size given, else None (rank 0 chooses it)."""
+    if options.get("merge") is not None and parse_bool(options["merge"], "merge"):
+        raise ValueError("merge=True does not apply to ScheduledKVStore: MXNet sends every server key "
+                         "as a request of its own, so the parameter-server backend never fuses pieces "
+                         "into one transfer; leave merge unset")
+    # A config passed in is the user's choice as a whole, its partition included.
+    partition_given = config is not None
+    config = SchedulerConfig.build(config, defaults=defaults(), **options).with_options(merge=False)
+    partition_given = partition_given or config.given("partition_bytes")
+    grain = parse_size(grain_bytes, "grain_bytes") if grain_bytes is not None else \
+        config.partition_bytes if partition_given else None
+    if grain is not None and grain > config.partition_bytes:
+        raise ValueError(f"grain_bytes={grain} is larger than partition_bytes={config.partition_bytes}; "
+                         "a piece holds whole grains, so the grain must not exceed the partition size")
+    return config, grain
 
 
 class ScheduledKVStore(mx.kvstore.KVStoreBase):
     """Wraps an MXNet KVStore (or creates one from a type string); see the module docstring.
+
+    ``ScheduledKVStore(store, ...)`` returns a :class:`DistKVStore` when ``store`` is a
+    ``dist_*`` store and a :class:`PassThroughKVStore` otherwise; this class holds what the two
+    share: the inner store, its identity, the partition check, ``overlap`` and the context
+    manager.
 
     Args:
         store: an ``mx.kv.KVStore`` or a store type string such as ``"dist_sync"``.
@@ -151,7 +175,7 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             from the environment or :func:`store_defaults` (a 64 MiB credit; a partition that
             follows the number of servers, ``DMLC_NUM_SERVER``: 4 MiB on 1-2 servers, halved
             each time they double, 256 KiB at least, see
-            :func:`~bytescheduler.core.config.server_grain_bytes`; ``adaptive``: rank 0
+            :func:`~bytescheduler.core.grain.server_grain_bytes`; ``adaptive``: rank 0
             times steps of MXNet's own calls against scheduled ones and runs the faster, see
             :mod:`bytescheduler.mxnet.plain`). ``merge`` is off
             and ``merge=True`` is refused. With ``auto_tune``, rank 0 tunes partition (not below
@@ -160,61 +184,21 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             every key once per step; :class:`~bytescheduler.mxnet.plain.StepClock`).
     """
 
-    def __init__(self, store: Any = "dist_sync", *, grain_bytes: Optional[Size] = None,
-                 config: Optional[SchedulerConfig] = None, **options: Any) -> None:
-        if options.get("merge") is not None and parse_bool(options["merge"], "merge"):
-            raise ValueError("merge=True does not apply to ScheduledKVStore: MXNet sends every server key "
-                             "as a request of its own, so the parameter-server backend never fuses pieces "
-                             "into one transfer; leave merge unset")
-        defaults = store_defaults(num_servers()) if "dist" in str(getattr(store, "type", store)).lower() \
-            else KVSTORE_DEFAULTS
-        given = config
-        config = SchedulerConfig.build(given, defaults=defaults, **options).with_options(merge=False)
-        # The partition was chosen (an option, the environment, a plan, a config) unless it
-        # follows a change of the default's.
-        moved = replace(defaults, partition_bytes=defaults.partition_bytes + 1)
-        partition_given = given is not None or \
-            SchedulerConfig.build(None, defaults=moved, **options).partition_bytes == config.partition_bytes
-        grain = parse_size(grain_bytes, "grain_bytes") if grain_bytes is not None else \
-            config.partition_bytes if partition_given else None
-        if grain is not None and grain > config.partition_bytes:
-            raise ValueError(f"grain_bytes={grain} is larger than partition_bytes={config.partition_bytes}; "
-                             "a piece holds whole grains, so the grain must not exceed the partition size")
-        inner = _inner_store(store)
+    _forward: ForwardOverlap  # set by each kind: the forward pre-hooks of :meth:`overlap`
+
+    def __new__(cls, store: Any = "dist_sync", *, grain_bytes: Optional[Size] = None,
+                config: Optional[SchedulerConfig] = None, **options: Any) -> ScheduledKVStore:
+        if cls is ScheduledKVStore:
+            cls = DistKVStore if _names_dist(store) else PassThroughKVStore
+        return super().__new__(cls)
+
+    def __init__(self, inner: Any) -> None:
+        """The part both kinds share; each kind's constructor checks its options first."""
         self._inner = inner
         self._type = inner.type
         self._rank = inner.rank
         self._num_workers = inner.num_workers
-        self._scheduled = "dist" in self._type
-        # A dist store's grain is rank 0's, decided at the first init (_start; grain.py): its
-        # own choice, or, with none (None), from a probe of the link.
-        self._grain_choice = grain
-        self._link_rate: Optional[float] = None
-        self._layout = KeyLayout(None if self._scheduled else (grain or config.partition_bytes))
-        self._partition_bytes = config.partition_bytes  # local stores only; dist ones ask the scheduler
         self._closed = False
-        self._close_lock = threading.Lock()
-        self._forward = ForwardOverlap(lambda job: self._jobs.wait_queued(job))
-        self._optimizer = None
-        self._optimizer_sent = False
-        if not self._scheduled:
-            return
-        hint = engine_hint(dict(os.environ))
-        if hint is not None:
-            log.warning(f"rank {self._rank}: {hint}")
-        self._backend = KVBackend(inner, self._rank, self._num_workers, config.timeout)
-        self._channel = TcpOrderChannel(self._rank, config.timeout) if self._num_workers > 1 else None
-        # A piece holds whole sub-keys: the tuner's search stays at or above the grain.
-        self._scheduler = Scheduler(self._backend, channel=self._channel, rank=self._rank, config=config,
-                                    tuning={"min_partition_bytes": grain or config.partition_bytes})
-        self._jobs = JobQueue(self._scheduler, self._rank, config.timeout)
-        self._modes = StoreModes(inner, self._rank, self._num_workers, self._layout, self._scheduler, self.synchronize,
-                                 self._jobs.wait_done)
-        self._plain_calls = self._modes.calls
-        self._config = config  # rank 0's shared settings once the first init connected the workers
-        self._modes.configure(config)
-        # Threads left running at exit would crash MXNet's shutdown: close at exit what is open.
-        atexit.register(self.close)
 
     # ------------------------------------------------------------------ properties
 
@@ -237,27 +221,32 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
 
     @property
     def scheduler(self) -> Optional[Scheduler]:
-        return self._scheduler if self._scheduled else None
+        """The core scheduler; None on a pass-through store."""
+        raise NotImplementedError
+
+    @property
+    def driver(self) -> Optional[ModeDriver]:
+        """The mode switch (None: every step scheduled, or nothing scheduled); see
+        :mod:`bytescheduler.mxnet.plain`."""
+        raise NotImplementedError
 
     @property
     def partition_bytes(self) -> int:
         """The current size of the scheduled pieces (see :meth:`set_partition_bytes`)."""
-        return self._scheduler.config.partition_bytes if self._scheduled else self._partition_bytes
+        raise NotImplementedError
 
     @property
     def grain_bytes(self) -> Optional[int]:
         """The size of the sub-keys on the servers, fixed for the run at the first ``init`` of a
         dist store (rank 0's, see :mod:`bytescheduler.mxnet.grain`); before it, the grain this
         worker asks for, None when rank 0 is to choose it from a probe of the link."""
-        if self._layout.grain_bytes is None:
-            return self._grain_choice
-        return self._layout.grain_bytes
+        raise NotImplementedError
 
     @property
     def link_rate(self) -> Optional[float]:
         """The push+pull rate (bytes per second) rank 0's probe measured at the first ``init``
-        on this worker, None when the grain was given (no probe)."""
-        return self._link_rate
+        on this worker, None when the grain was given (no probe) or the store is not dist."""
+        raise NotImplementedError
 
     def is_capable(self, capability: str) -> bool:
         return self._inner.is_capable(capability)
@@ -280,29 +269,125 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         8000000
         """
         size = parse_size(partition_bytes, "partition_bytes")
-        if self._layout.grain_bytes is None and self._grain_choice is None:
-            self._grain_choice = size  # before the first init: a partition chosen is the grain
+        self._repartition(size)
+        return size
+
+    def _repartition(self, size: int) -> None:
+        """Cut the pieces at ``size`` from now on (checked with :meth:`_check_partition`)."""
+        raise NotImplementedError
+
+    def _check_partition(self, size: int) -> None:
+        """Refuse a partition below the grain, or on a closed store."""
         if size < self.grain_bytes:
             raise ValueError(
                 f"partition_bytes={size} is below the server grain of {self.grain_bytes} bytes fixed "
                 "when the store was created (smaller pieces would need new server keys, losing their "
                 "optimizer state); create the ScheduledKVStore with a smaller grain_bytes")
         self._check_open()
-        if self._scheduled:
-            self._scheduler.reconfigure(partition_bytes=size)
-        else:
-            self._partition_bytes = size
-        return size
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ByteSchedulerError("the ScheduledKVStore was closed")
+
+    def overlap(self, net) -> List[Any]:
+        """Let the next forward start while the last pulls are still being queued.
+
+        Registers a forward pre-hook on ``net`` and every child block that waits until the
+        pulls of the block's own parameters have been queued; ``pushpull`` into these
+        parameters then returns at once (hybridized blocks: see :mod:`bytescheduler.mxnet.overlap`).
+        Returns the hook handles (``handle.detach()`` removes one).
+        """
+        return self._forward.register(net)
+
+    def synchronize(self) -> None:
+        """Wait until every scheduled operation completed (e.g. before reading the weights)."""
+        raise NotImplementedError
+
+    def close(self, wait: bool = True) -> None:
+        """Finish (``wait=True``) or abandon scheduled work and join the threads; idempotent."""
+        raise NotImplementedError
+
+    def __enter__(self) -> "ScheduledKVStore":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
+
+
+class DistKVStore(ScheduledKVStore):
+    """A ``dist_*`` store's ScheduledKVStore: every call goes through the core scheduler (or, with
+    ``adaptive``, MXNet's own calls on the steps rank 0 runs plain); made by
+    ``ScheduledKVStore(store, ...)``, whose arguments it takes.
+
+    Threads run from construction to :meth:`close` (at interpreter exit at the latest). The grain
+    is decided at the first ``init`` (:meth:`_start`), when the workers connect to rank 0.
+    """
+
+    def __init__(self, store: Any = "dist_sync", *, grain_bytes: Optional[Size] = None,
+                 config: Optional[SchedulerConfig] = None, **options: Any) -> None:
+        config, grain = _settings(lambda: store_defaults(num_servers()), grain_bytes, config, options)
+        super().__init__(_inner_store(store))
+        # The grain is rank 0's, decided at the first init (_start; grain.py): its own choice,
+        # or, with none (None), from a probe of the link.
+        self._grain_choice = grain
+        self._link_rate: Optional[float] = None
+        self._layout = KeyLayout(None)
+        self._close_lock = threading.Lock()
+        self._optimizer = None
+        self._optimizer_sent = False
+        hint = engine_hint(dict(os.environ))
+        if hint is not None:
+            log.warning(f"rank {self._rank}: {hint}")
+        self._backend = KVBackend(self._inner, self._rank, self._num_workers, config.timeout)
+        self._channel = TcpOrderChannel(self._rank, config.timeout) if self._num_workers > 1 else None
+        # A piece holds whole sub-keys: the tuner's search stays at or above the grain.
+        self._scheduler = Scheduler(self._backend, channel=self._channel, rank=self._rank, config=config,
+                                    tuning={"min_partition_bytes": grain or config.partition_bytes})
+        self._jobs = JobQueue(self._scheduler, self._rank, config.timeout)
+        self._forward = ForwardOverlap(self._jobs.wait_queued)
+        self._modes = StoreModes(self._inner, self._rank, self._num_workers, self._layout, self._scheduler,
+                                 self.synchronize, self._jobs.wait_done)
+        self._plain_calls = self._modes.calls
+        self._config = config  # rank 0's shared settings once the first init connected the workers
+        self._modes.configure(config)
+        # Threads left running at exit would crash MXNet's shutdown: close at exit what is open.
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    @property
+    def driver(self) -> Optional[ModeDriver]:
+        return self._modes.driver
+
+    @property
+    def partition_bytes(self) -> int:
+        return self._scheduler.config.partition_bytes
+
+    @property
+    def grain_bytes(self) -> Optional[int]:
+        if self._layout.grain_bytes is None:
+            return self._grain_choice
+        return self._layout.grain_bytes
+
+    @property
+    def link_rate(self) -> Optional[float]:
+        return self._link_rate
+
+    def _repartition(self, size: int) -> None:
+        if self._layout.grain_bytes is None and self._grain_choice is None:
+            self._grain_choice = size  # before the first init: a partition chosen is the grain
+        self._check_partition(size)
+        self._scheduler.reconfigure(partition_bytes=size)
 
     # ------------------------------------------------------------------ helpers
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         self._check_open()
         return self._backend.call(fn, what)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ByteSchedulerError("the ScheduledKVStore was closed")
 
     def _check_usable(self) -> None:
         self._check_open()
@@ -369,23 +454,16 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             self._scheduler.reconfigure(agreed.partition_bytes, agreed.credit_bytes)
         self._modes.configure(agreed)
 
-    @property
-    def driver(self) -> Optional[ModeDriver]:
-        """The mode switch (None: every step scheduled); see :mod:`bytescheduler.mxnet.plain`."""
-        return self._modes.driver if self._scheduled else None
-
     def _run_jobs(self, jobs: List[Job], wait: Callable[[Job], bool] = lambda job: True) -> None:
         self._forward.record(jobs)
         self._jobs.run(jobs, wait)
 
     # ------------------------------------------------------------------ init / broadcast
 
-    @_passes_through
     def init(self, key, value) -> None:
         self._check_open()
         self._create_keys([(k, as_list(v)[0]) for k, v in key_pairs(key, value)], f"init({key!r})")
 
-    @_passes_through
     def broadcast(self, key, value, out, priority=0) -> None:
         self._check_open()
         pairs = [(k, as_list(v)[0]) for k, v in key_pairs(key, value)]
@@ -398,7 +476,6 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
 
     # ------------------------------------------------------------------ push / pull / pushpull
 
-    @_passes_through
     def push(self, key, value, priority=0) -> None:
         self._check_usable()
         infos, values = [], []
@@ -414,7 +491,6 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             return
         self._run_jobs([Job("push", info, arrays, [], priority) for info, arrays in zip(infos, values)])
 
-    @_passes_through
     def pull(self, key, out=None, priority=0, ignore_sparse=True) -> None:
         if out is None:
             raise ValueError("pull needs out=")
@@ -431,7 +507,6 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
             return
         self._run_jobs([Job("pull", info, [], arrays, priority, ignore_sparse) for info, arrays in zip(infos, outs)])
 
-    @_passes_through
     def pushpull(self, key, value, out=None, priority=0) -> None:
         self._check_usable()
         pairs = key_pairs(key, value)
@@ -455,7 +530,6 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
 
     # ------------------------------------------------------------------ optimizer
 
-    @_passes_through
     def set_optimizer(self, optimizer) -> None:
         self._check_open()
         check_optimizer(optimizer, self._layout.infos())
@@ -473,53 +547,32 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
         self._call(lambda: self._inner.set_optimizer(server), "set_optimizer")
         self._optimizer_sent = True
 
-    @_passes_through
     def set_gradient_compression(self, compression_params) -> None:
         self._call(lambda: self._inner.set_gradient_compression(compression_params), "set_gradient_compression")
 
-    @_passes_through
     def save_optimizer_states(self, fname, dump_optimizer=False):
         self.synchronize()
         return self._call(lambda: self._inner.save_optimizer_states(fname, dump_optimizer), "save_optimizer_states")
 
-    @_passes_through
     def load_optimizer_states(self, fname):
         self.synchronize()
         return self._call(lambda: self._inner.load_optimizer_states(fname), "load_optimizer_states")
 
-    @_passes_through
     def _barrier(self) -> None:
         self.synchronize()
         self._call(self._inner._barrier, "_barrier")
 
-    # ------------------------------------------------------------------ overlap with forward
-
-    def overlap(self, net) -> List[Any]:
-        """Let the next forward start while the last pulls are still being queued.
-
-        Registers a forward pre-hook on ``net`` and every child block that waits until the
-        pulls of the block's own parameters have been queued; ``pushpull`` into these
-        parameters then returns at once (hybridized blocks: see :mod:`bytescheduler.mxnet.overlap`).
-        Returns the hook handles (``handle.detach()`` removes one).
-        """
-        return self._forward.register(net)
-
     # ------------------------------------------------------------------ end
 
     def synchronize(self) -> None:
-        """Wait until every scheduled operation completed (e.g. before reading the weights)."""
-        if not self._scheduled:
-            return
         self._plain_calls.drain()
         for info in self._layout.infos():
             self._jobs.wait_key(info)
         self._scheduler.flush()
 
     def close(self, wait: bool = True) -> None:
-        """Finish (``wait=True``) or abandon scheduled work and join the threads; idempotent."""
         with self._close_lock:
-            if self._closed or not self._scheduled:
-                self._closed = True
+            if self._closed:
                 return
             self._closed = True
         atexit.unregister(self.close)
@@ -546,8 +599,66 @@ class ScheduledKVStore(mx.kvstore.KVStoreBase):
                 log.warning("ScheduledKVStore threads did not stop (a peer may have died)")
         latch.raise_if_set()
 
-    def __enter__(self) -> "ScheduledKVStore":
-        return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(wait=exc_type is None)
+def _passed_through(method: Callable) -> Callable:
+    """A method with ``method``'s signature that calls the inner store's method of its name."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: "PassThroughKVStore", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._inner, name)(*args, **kwargs)
+    call.__qualname__ = f"PassThroughKVStore.{name}"
+    return call
+
+
+class PassThroughKVStore(ScheduledKVStore):
+    """The ScheduledKVStore of a store that is not ``dist_*`` (``local``, ``device``, ...): every
+    call goes straight to the inner store with its arguments; nothing is scheduled and no thread
+    runs. Made by ``ScheduledKVStore(store, ...)``, whose arguments it takes and checks.
+
+    ``partition_bytes`` and ``grain_bytes`` are kept and checked as on a dist store (the grain is
+    fixed at construction: ``grain_bytes``, else the partition size), so code that sets them
+    runs unchanged on one process. ``overlap`` registers hooks that find nothing to wait for.
+    """
+
+    scheduler = None
+    driver = None
+    link_rate = None
+
+    def __init__(self, store: Any, *, grain_bytes: Optional[Size] = None,
+                 config: Optional[SchedulerConfig] = None, **options: Any) -> None:
+        config, grain = _settings(lambda: KVSTORE_DEFAULTS, grain_bytes, config, options)
+        super().__init__(_inner_store(store))
+        self._grain = grain or config.partition_bytes
+        self._partition_bytes = config.partition_bytes
+        self._forward = ForwardOverlap(lambda job: None)  # no job is ever recorded here
+
+    @property
+    def partition_bytes(self) -> int:
+        return self._partition_bytes
+
+    def _repartition(self, size: int) -> None:
+        self._check_partition(size)
+        self._partition_bytes = size
+
+    @property
+    def grain_bytes(self) -> int:
+        return self._grain
+
+    init = _passed_through(DistKVStore.init)
+    broadcast = _passed_through(DistKVStore.broadcast)
+    push = _passed_through(DistKVStore.push)
+    pull = _passed_through(DistKVStore.pull)
+    pushpull = _passed_through(DistKVStore.pushpull)
+    set_optimizer = _passed_through(DistKVStore.set_optimizer)
+    set_gradient_compression = _passed_through(DistKVStore.set_gradient_compression)
+    save_optimizer_states = _passed_through(DistKVStore.save_optimizer_states)
+    load_optimizer_states = _passed_through(DistKVStore.load_optimizer_states)
+    _barrier = _passed_through(DistKVStore._barrier)
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: every call went to the inner store."""
+
+    def close(self, wait: bool = True) -> None:
+        """Mark the store closed (:meth:`set_partition_bytes` refuses then); idempotent."""
+        self._closed = True

@@ -177,10 +177,8 @@ class StoreAgreement:
 # Steps left untimed after each switch of paths (and after a decision point reached on the
 # scheduled path, which drains it too: ModeChooser's settle). The switch drains the path it leaves, and
 # the pacing (StoreModes._pace) then lets the training thread run a step ahead of MXNet's
-# engine again, so the second step after a switch is also off: in eight bench runs (VGG-like,
-# MLP; loopback, 1 and 2 Gbit/s) the first timed step of a scheduled trial was up to 50%
-# shorter than the trial's others and that of a plain trial up to 70% longer, which once
-# decided a re-trial. The third step is steady.
+# engine again, so the second step after a switch is also off (a scheduled trial's much
+# shorter than its others, a plain trial's much longer). The third step is steady.
 SETTLE_STEPS = 2
 
 # On a hold of the plain path the pacing stops until this many steps before the first one
@@ -212,7 +210,7 @@ class StoreModes:
 
     def configure(self, settings: SchedulerConfig) -> None:
         if settings.adaptive and not settings.auto_tune and self._num_workers > 1:
-            self.driver = ModeDriver(new_chooser(settings.start_plain, settle=SETTLE_STEPS), self._rank == 0,
+            self.driver = ModeDriver(new_chooser(settings.mode_switch, settings.start_plain, settle=SETTLE_STEPS), self._rank == 0,
                                      StoreAgreement(self._inner, self._rank, self._layout), rank=self._rank)
         else:
             self.driver = None
@@ -239,10 +237,8 @@ class StoreModes:
 
         Only where the switch reads step times: on a long hold of the plain path no step is
         timed but its last few (the re-trial's reference), and there the wait only held the
-        training thread back where an unwrapped store lets it run ahead of MXNet's engine.
-        On vgg-small at 2 Gbit/s (the plain path from the first step, whole keys) the store
-        read 0.92x and 0.96x of ``dist_sync`` paced, 1.07x and 1.08x not. The scheduled path
-        is paced on every step.
+        training thread back where an unwrapped store lets it run ahead of MXNet's engine (it
+        made the store slower than ``dist_sync``). The scheduled path is paced on every step.
         """
         return not self.plain or self.driver.chooser.unread_steps <= PACE_AHEAD
 
@@ -251,8 +247,8 @@ class StoreModes:
 
         The switch times a step from one step's first push to the next one's. MXNet's calls
         return before they run and gluon's Trainer never waits, so without this wait the
-        plain path's steps measured how long queueing their calls took (16-39 ms of a 1.45 s
-        step on VGG-like at 1 Gbit/s), and the switch chose MXNet's own calls every time.
+        plain path's step times would be how long queueing their calls took (a small part of
+        the step), and the switch would choose MXNet's own calls every time.
         Waiting for the step before the last (not the last) leaves this thread a step ahead
         of the engine, so it queues a step's calls while the engine still runs the step
         before, not between that step's pulls and the next forward. The plain path's pulls

@@ -20,9 +20,9 @@ from typing import Any, Callable, Dict, Optional, Protocol
 
 import torch
 
-from ..core.modes import PLAIN, ModeDriver, new_chooser
-from .errors import GradientError, undeclared_sparse
+from ..core.modes import PLAIN, ModeDriver, ModeSwitchParams, new_chooser
 from .grad_views import hand_over
+from .params import dense_gradient
 from .plain import PlainPath, Reducer, assign_buckets
 from .unused import Absence
 from .read_guard import ReadGuard, suspended
@@ -64,6 +64,7 @@ class PlainSetup:
     grad_views: large averages become the parameters' gradients as views of the reducer's
         buffer instead of being copied back (:mod:`~bytescheduler.pytorch.grad_views`).
     start_plain: start on this path (``SchedulerConfig.start_plain``, a plan's advice).
+    mode_switch: the mode switch's parameters (``SchedulerConfig.mode_switch``; None: defaults).
     hooks: the framework's own hooks, which run the plain path instead of ``reducer``
         (whose buckets are then not used).
     """
@@ -74,6 +75,7 @@ class PlainSetup:
     bucket_bytes: int = BUCKET_BYTES
     grad_views: bool = False
     start_plain: bool = False
+    mode_switch: Optional[ModeSwitchParams] = None
     hooks: Optional[FrameworkHooks] = None
 
 
@@ -104,7 +106,7 @@ class BucketRoute:
         grad = state.param.grad
         if grad is not None:
             if grad.is_sparse or not grad.is_contiguous():
-                grad = _gradient(state)
+                grad = dense_gradient(state)  # as backward left it: the reducer scales
             path.add(state.key, grad)
         return True
 
@@ -141,7 +143,7 @@ class BucketRoute:
             zeros = lambda key: _zero_gradient(by_key[key].param)  # noqa: E731
             if self._absence is Absence.DDP:
                 unused = lambda keys: _forget_gradients(by_key[key].param for key in keys)  # noqa: E731
-        self.path = PlainPath(buckets, self._setup.reducer, lambda key: _gradient(by_key[key]), self._rank, assign,
+        self.path = PlainPath(buckets, self._setup.reducer, lambda key: dense_gradient(by_key[key]), self._rank, assign,
                               zeros, unused)
 
 
@@ -224,7 +226,7 @@ class ModeSwitch:
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
                  clock: Callable[[], float] = time.perf_counter, absence: Optional[Absence] = None) -> None:
         leader = rank == 0
-        self.chooser = new_chooser(setup.start_plain)
+        self.chooser = new_chooser(setup.mode_switch, setup.start_plain)
         self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
         self.route = (BucketRoute(setup, rank, states, passes, absence) if setup.hooks is None
                       else HookRoute(setup.hooks, passes))
@@ -245,9 +247,9 @@ class ModeSwitch:
         if not self.route.finish():
             self.irregular = True
         engine.average_sparse(apply=False)  # the full step below updates those parameters too
-        with engine._cond:
-            engine._steps_called += 1
-        full_optimizer(engine._optimizer, engine._base).step()
+        with engine.progress.cond:
+            engine.progress.count_step()
+        full_optimizer(engine.optimizer, engine.base).step()
         self.end_step(engine)
 
     def shadow_step(self, engine: Any) -> None:
@@ -276,8 +278,7 @@ class ModeSwitch:
     def apply(self, engine: Any) -> None:
         """Put ``engine`` on the chooser's mode: its flag, its hooks and the read guard (which
         the plain path, where every update is done when ``step()`` returns, does not need)."""
-        engine.plain = self.chooser.mode == PLAIN
-        engine.hook_for_schedule(not engine.plain)
+        engine.set_plain(self.chooser.mode == PLAIN)
         (self.route.enter if engine.plain else self.route.leave)()
         if engine.plain:
             ReadGuard.detach(engine)  # popped if on top: torch calls no longer go through it
@@ -308,16 +309,3 @@ def _forget_gradients(params: Any) -> None:
     for param in params:
         param.grad = None
 
-
-def _gradient(state: Any) -> Optional[torch.Tensor]:
-    """``state``'s gradient for a bucket: contiguous, as backward left it (the reducer scales)."""
-    param = state.param
-    grad = param.grad
-    if grad is None:
-        return None
-    if grad.is_sparse:
-        raise GradientError(undeclared_sparse(state.name))
-    if not grad.is_contiguous():
-        grad = grad.contiguous()
-        param.grad = grad
-    return grad

@@ -10,8 +10,8 @@ The cross-iteration overlap frees each iteration's gradients while the next forw
 runs, so ~the whole gradient size becomes free at the top of the heap at once. When the
 largest block freed so far was small (an 8 MiB layer), that exceeds the trim threshold:
 glibc shrinks the heap, and the next backward faults every gradient page in afresh
-(measured: ~5,000 page faults and ~20 ms more per iteration for a 21 MiB model, 0.8x of
-DDP on loopback). DDP escapes by accident: its first iteration's single large bucket is
+(thousands of page faults per iteration for a model of a few tens of MiB, slower than DDP
+on loopback). DDP escapes by accident: its first iteration's single large bucket is
 freed once, which raises both thresholds for the rest of the process.
 
 :func:`raise_malloc_thresholds` does the same on purpose: it allocates and frees one

@@ -64,9 +64,8 @@ from .unused import Absence
 _NEVER = 1 << 62
 # Seconds a wait polls without sleeping (see _wait_for).
 _SPIN_SECONDS = 0.05
-# Horovod runs one operation at a time and negotiates each, so fewer, larger pieces pay off:
-# 8 MiB pieces under a 16 MiB credit measured 1.05x of plain Horovod at 1 Gbit/s and 1.01x at
-# 2 Gbit/s, against 1.03x and 0.94x with the library's 4/16 MiB (docs/benchmarks.md).
+# Horovod runs one operation at a time and negotiates each, so fewer, larger pieces pay off
+# (8 MiB under a 16 MiB credit beat the library's 4/16 MiB at 1 and 2 Gbit/s; docs/benchmarks.md).
 # Rank 0 also times this against Horovod's own path and keeps the faster (adaptive.py).
 HOROVOD_DEFAULTS = SchedulerConfig(partition_bytes=8 * 1024**2, credit_bytes=16 * 1024**2, adaptive=True)
 # int64 words per ordering broadcast (a decision of one piece takes 6 words).
@@ -161,9 +160,8 @@ def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, wh
 
     For the first ``spin_seconds`` (default :data:`_SPIN_SECONDS`) it polls between
     ``sched_yield`` calls, as Horovod's own ``synchronize`` does: the core never idles, so
-    the completion is seen at once (sleeping instead let the core idle, and waking it cost
-    the plain path 11-20% of an iteration on the small models, measured on this project's
-    VM). Past that it polls with a growing pause (at most 1 ms), so a long wait does not
+    the completion is seen at once (sleeping instead lets the core idle, and waking it costs
+    the plain path a noticeable share of a small model's iteration). Past that it polls with a growing pause (at most 1 ms), so a long wait does not
     hold the core. The plain path's waits in ``step()`` spin to the deadline, as
     ``synchronize`` does: an all-reduce of a large gradient on a slow link lasts longer
     than 50 ms, and sleeping there cost 8% of an iteration (MLP, 2 Gbit/s).
@@ -294,8 +292,8 @@ class _Synchronizer:
     it with a deadline.
 
     ``synchronize`` waits in C++ (polling between yields, the GIL released) and has no
-    deadline. Polling the same handles from Python with a deadline measured the same, with
-    each process pinned, but this way the wait is Horovod's own loop by construction. The training thread
+    deadline. Polling the same handles from Python with a deadline would cost about the same,
+    but this way the wait is Horovod's own loop by construction. The training thread
     sleeps on the call's future while this thread waits, which keeps the core busy (no idle
     wake-up); the hand-over costs two thread switches per step. When the deadline passes, the
     training thread raises; this thread stays in ``synchronize`` (a stalled peer may still come
@@ -373,11 +371,12 @@ class HorovodHooks:
         self._synchronizer.close()
 
 
-def _plain_setup(prefix: str, timeout: float, start_plain: bool, hooks: Optional[HorovodHooks] = None) -> PlainSetup:
+def _plain_setup(prefix: str, config: SchedulerConfig, hooks: Optional[HorovodHooks] = None) -> PlainSetup:
     """The mode switch over Horovod: its own path (``hooks``: run by the user's
     ``hvd.DistributedOptimizer``; else by our reducer, for a plain torch optimizer), and one
-    all-gather of [proposal, veto] to agree (waited for with a deadline, as every operation of
-    ours); ``start_plain``: start on it."""
+    all-gather of [proposal, veto] to agree (waited for with ``config.timeout``, as every
+    operation of ours); ``config.start_plain``: start on it."""
+    timeout = config.timeout
 
     def agree(proposal: int, veto: bool) -> int:
         held = Held(torch.tensor([[proposal, int(veto)]], dtype=torch.int64))
@@ -385,8 +384,8 @@ def _plain_setup(prefix: str, timeout: float, start_plain: bool, hooks: Optional
         votes = _wait_for(handle, None, timeout, "the mode switch's agreement", held)
         return STOP if int(votes[:, 1].max()) else int(votes[0, 0])
 
-    return PlainSetup(HorovodReducer(prefix, timeout), agree, first_bytes=0, bucket_bytes=0, start_plain=start_plain,
-                      hooks=hooks)
+    return PlainSetup(HorovodReducer(prefix, timeout), agree, first_bytes=0, bucket_bytes=0,
+                      start_plain=config.start_plain, mode_switch=config.mode_switch, hooks=hooks)
 
 
 def _order_channel(prefix: str, timeout: float) -> Any:
@@ -650,7 +649,7 @@ def ScheduledOptimizer(
     if config.adaptive and not config.auto_tune and hvd.size() > 1:
         hooks = None if base is type(optimizer) else HorovodHooks(optimizer, backward_passes_per_step or passes,
                                                                   config.timeout)
-        plain = _plain_setup(f"{backend.name}.plain", config.timeout, config.start_plain, hooks)
+        plain = _plain_setup(f"{backend.name}.plain", config, hooks)
 
     def close() -> None:
         try:

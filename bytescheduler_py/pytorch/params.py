@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..core import Task
+from .errors import GradientError, undeclared_sparse
 from .sparse import SparseParams
 from .updates import sub_optimizer
 
@@ -42,6 +43,22 @@ class ParamState:
         self.zero_request: Optional[bool] = None  # set_to_none flag of a deferred zero_grad
         self.discard = False
         self.sparse = False  # averaged at step(), outside the scheduler (sparse.py)
+
+
+def dense_gradient(state: ParamState) -> Optional[torch.Tensor]:
+    """``state``'s gradient as backward left it, made contiguous in place (``p.grad`` becomes
+    the contiguous copy); None without one. A sparse gradient of a parameter not declared
+    sparse is refused with :class:`~bytescheduler.pytorch.errors.GradientError`."""
+    param = state.param
+    grad = param.grad
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        raise GradientError(undeclared_sparse(state.name))
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+        param.grad = grad
+    return grad
 
 
 class ParamHooks:

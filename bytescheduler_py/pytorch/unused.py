@@ -79,7 +79,7 @@ class AbsentGradients:
                 param = state.param
                 zeros = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
                 param.grad = zeros
-                engine.queue_gradient(state, zeros, step)
+                engine.transfers.queue(state, zeros, step, round_)
         if self.rule is not Absence.DDP:
             return
         if not shadow:
@@ -98,11 +98,9 @@ class AbsentGradients:
         scheduler = engine.scheduler
         if self.rule is Absence.HOROVOD:
             for state in states:
-                engine.schedule(state)
+                engine.transfers.schedule(state)
         elif not self._leader:
-            for state in states:
-                scheduler.offer(state.task).add_done_callback(
-                    lambda done, state=state: engine._on_communicated(state, done))
+            engine.transfers.offer(states)
             scheduler.poke()  # rank 0's flags for this round may be waiting for it
         elif states:
             flags = self._flags(round_, self._reported.pop(round_))
@@ -153,7 +151,7 @@ class AbsentGradients:
             self._drop(unused)
             for state in states:
                 if state not in unused:
-                    self._engine.schedule(state)
+                    self._engine.transfers.schedule(state)
         finally:
             self._engine.scheduler.release(round_)
 
@@ -169,4 +167,4 @@ class AbsentGradients:
     def _drop(self, states: List[ParamState]) -> None:
         """No rank used ``states``: no gradient and no update, as DDP leaves them."""
         if states:
-            self._engine.drop_gradients(states)
+            self._engine.transfers.drop(states)

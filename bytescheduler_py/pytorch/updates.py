@@ -75,50 +75,78 @@ class Snapshots:
 
 
 class Updater:
-    """The thread that applies due updates, in batches, and hands them back to its engine.
+    """The thread that applies due updates, in batches, then makes their parameters IDLE.
 
-    It shares the engine's lock and reads its ``_steps_called``, ``_latch`` and ``_closed``;
-    ``ready`` holds the averaged parameters whose update is not yet due or applied.
+    ``progress`` is the engine's shared state (:class:`~bytescheduler.pytorch.progress.Progress`):
+    its lock guards the averaged parameters waiting here (:meth:`add`), which are due once
+    their step was called. ``recorder``: the compute timeline, given the time of each batch.
+    The thread ends when the engine closes or fails.
     """
 
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
+    def __init__(self, progress: Any, recorder: Any = None) -> None:
+        self._progress = progress
+        self._recorder = recorder
         self.snapshots = Snapshots()
-        self.ready: List[Any] = []
+        self._ready: List[Any] = []
         self._thread = threading.Thread(target=self._run, name="bytescheduler-update", daemon=True)
         self._thread.start()
+
+    def add(self, state: Any) -> None:
+        """``state``'s gradient is averaged: update it once its step is called (lock held)."""
+        self._ready.append(state)
+
+    def drop_discarded(self) -> None:
+        """Forget the averaged parameters whose update was discarded (lock held)."""
+        self._ready = [s for s in self._ready if not s.discard]
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout=timeout)
 
+    def _due(self) -> List[Any]:
+        """Wait for due updates; none once the engine closed or failed."""
+        progress = self._progress
+        with progress.cond:
+            while not (progress.latch or progress.closed):
+                due = [s for s in self._ready if s.step_number <= progress.steps_called]
+                if due:
+                    self._ready = [s for s in self._ready if s.step_number > progress.steps_called]
+                    return due
+                progress.cond.wait(_WAIT_SLICE)
+        return []
+
     def _run(self) -> None:
-        engine = self._engine
+        progress = self._progress
         while True:
-            with engine._cond:
-                while True:
-                    if engine._latch or engine._closed:
-                        return
-                    due = [s for s in self.ready if s.step_number <= engine._steps_called]
-                    if due:
-                        self.ready = [s for s in self.ready if s.step_number > engine._steps_called]
-                        break
-                    engine._cond.wait(_WAIT_SLICE)
+            due = self._due()
+            if not due:
+                return
             try:
                 for batch in batches(due):
                     first = batch[0]
-                    with engine._cond:
+                    with progress.cond:
                         values = self.snapshots.take(first.step_number, first.group, len(batch))
-                    recorder = engine.compute_timeline
-                    start = time.perf_counter() if recorder is not None else 0.0
+                    start = time.perf_counter() if self._recorder is not None else 0.0
                     batch_optimizer(batch, values).step()
-                    if recorder is not None:
-                        recorder.update(start, time.perf_counter(),
-                                        sum(s.param.numel() * s.param.element_size() for s in batch))
-                    engine._applied(batch)
+                    if self._recorder is not None:
+                        self._recorder.update(start, time.perf_counter(),
+                                              sum(s.param.numel() * s.param.element_size() for s in batch))
+                    self._applied(batch)
             except BaseException as error:  # noqa: BLE001 - surfaces in the training thread
-                with engine._cond:
-                    engine._fail_locked(error)
+                with progress.cond:
+                    progress.fail(error)
                 return
+
+    def _applied(self, batch: List[Any]) -> None:
+        """``batch`` was updated: its deferred ``zero_grad``, then its parameters are IDLE."""
+        progress = self._progress
+        with progress.cond:
+            for state in batch:
+                if state.zero_request is not None:
+                    zero_gradient(state.param, state.zero_request)
+                    state.zero_request = None
+                state.grad = None
+                progress.set_idle(state)
+            progress.cond.notify_all()
 
 
 # Parameters updated in one call of the update rule: few calls on small models, while on

@@ -374,8 +374,8 @@ def test_rank_0_chooses_the_grain_from_the_link_and_it_sums_as_mxnet_does(server
     # keys (on 1-2 servers; on more the grain follows their number, unprobed). The other
     # worker reads it the other way (or alike) and must still use rank 0's grain; a key
     # above MXNet's big-array bound sums bitwise as MXNet's own key either way.
-    from bytescheduler.core.config import server_grain_bytes
-    from bytescheduler.core.config import COARSE_GRAIN_BYTES
+    from bytescheduler.core.grain import server_grain_bytes
+    from bytescheduler.core.grain import COARSE_GRAIN_BYTES
 
     status, text = run_job("kv_default_grain.py", *readings, servers=servers)
     assert status == 0, text

@@ -69,13 +69,13 @@ def test_a_long_hold_of_the_plain_path_runs_unpaced_until_its_timed_steps_near()
     """On a hold of MXNet's own calls the training thread runs ahead as with an unwrapped store;
     the pacing comes back PACE_AHEAD steps before the hold's last ``retrial`` steps, whose times
     the re-trial compares, and stays on the schedule's steps."""
-    from bytescheduler.core.modes import PLAIN, ModeChooser, ModeDriver
+    from bytescheduler.core.modes import PLAIN, ModeChooser, ModeDriver, ModeSwitchParams
     from bytescheduler.mxnet.plain import PACE_AHEAD
 
     hold, retrial = 30, 8
     modes = modes_for(1, Layout(0), [])
     modes._scheduler = SimpleNamespace(step_boundary=lambda: None)
-    modes.driver = ModeDriver(ModeChooser(start=PLAIN, hold=hold, min_retrial=retrial), leader=False,
+    modes.driver = ModeDriver(ModeChooser(ModeSwitchParams(hold=hold, min_retrial=retrial), start=PLAIN), leader=False,
                               agree=lambda proposal, veto: proposal)
     modes.plain = True
     paced, plain = [], {}

@@ -8,6 +8,7 @@ path's calls return at once: unless the store waits for the steps' calls to comp
 steps look as short as queueing them. Prints ``CLOCK rank=0 scheduled=S plain=P`` (median seconds).
 """
 
+import os
 import statistics
 
 import mxnet as mx
@@ -24,8 +25,7 @@ def main() -> None:
     from bytescheduler.mxnet.kvstore import ScheduledKVStore
 
     # warm-up 2, then one pair of 3-step trials (a step each to settle), decided at once
-    modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=3, pairs=1, hold=50, trial_seconds=0, clear_hold=1,
-                                 min_clear_samples=1, min_retrial=3)
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=3, pairs=1, hold=50, trial_seconds=0, clear_hold=1, min_clear_samples=1, min_retrial=3).text()
     kv = ScheduledKVStore("dist_sync", adaptive=True, timeout=60)
     mx.random.seed(3)
     net = gluon.nn.Sequential()

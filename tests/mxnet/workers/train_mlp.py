@@ -94,7 +94,7 @@ def worker(args) -> None:
     if args.mode == "wrapped":
         from bytescheduler.core import modes
         from bytescheduler.mxnet.kvstore import ScheduledKVStore
-        modes.CHOOSER_OPTIONS.update(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
+        os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
         store = mx.kv.create("dist_sync")
         warnings = []
         if args.rank1_env:

@@ -86,7 +86,8 @@ class Scheduled(System):
         record_timeline(self.optimizer._bytescheduler.scheduler, active)
 
     def mode_switch(self):
-        return self.optimizer._bytescheduler._switch
+        engine = self.optimizer._bytescheduler
+        return engine if engine.chooser is not None else None
 
     def close(self) -> None:
         self.optimizer.close()

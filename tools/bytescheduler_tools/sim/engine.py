@@ -39,7 +39,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from bytescheduler.core.config import SchedulerConfig, choose_grain, server_grain_bytes
+from bytescheduler.core.config import SchedulerConfig
+from bytescheduler.core.grain import choose_grain, server_grain_bytes
 from .allreduce import LINK, DdpReducer, GlooLanes, ScheduledAllReduce, ScheduledHook, ddp_buckets
 from .calibration import Calibration
 from .events import Simulation, Span
@@ -111,7 +112,7 @@ def default_config(system: str, servers: Optional[int] = None, bandwidth: Option
     test); ``servers``: the parameter servers of the ``ps`` systems, whose default partition
     follows their number (None: ScheduledKVStore's default on 1-2 servers, 4 MiB);
     ``bandwidth``: the link's rate in bytes per second, which ScheduledKVStore's probe
-    measures at its first ``init`` to choose its grain (:func:`~bytescheduler.core.config.choose_grain`;
+    measures at its first ``init`` to choose its grain (:func:`~bytescheduler.core.grain.choose_grain`;
     None: the grain before the probe, ``server_grain_bytes``)."""
     system = canonical(system)
     if system == "ddp-hook":
