@@ -113,6 +113,13 @@ def _names_dist(store: Any) -> bool:
     return "dist" in str(getattr(store, "type", store)).lower()
 
 
+def _check_kind(made: "ScheduledKVStore", store: Any) -> None:
+    """Refuse a store of the other kind given to :class:`DistKVStore` or :class:`PassThroughKVStore` directly."""
+    if _names_dist(store) != isinstance(made, DistKVStore):
+        raise TypeError(f"{type(made).__name__} does not wrap a {'' if _names_dist(store) else 'non-'}dist store; "
+                        "create it with ScheduledKVStore(store, ...), which picks the kind")
+
+
 def _inner_store(store: Any) -> Any:
     """The MXNet store to wrap: ``store`` itself, or a new one of the type ``store`` names."""
     if isinstance(store, ScheduledKVStore):
@@ -325,6 +332,7 @@ class DistKVStore(ScheduledKVStore):
 
     def __init__(self, store: Any = "dist_sync", *, grain_bytes: Optional[Size] = None,
                  config: Optional[SchedulerConfig] = None, **options: Any) -> None:
+        _check_kind(self, store)
         config, grain = _settings(lambda: store_defaults(num_servers()), grain_bytes, config, options)
         super().__init__(_inner_store(store))
         # The grain is rank 0's, decided at the first init (_start; grain.py): its own choice,
@@ -627,6 +635,7 @@ class PassThroughKVStore(ScheduledKVStore):
 
     def __init__(self, store: Any, *, grain_bytes: Optional[Size] = None,
                  config: Optional[SchedulerConfig] = None, **options: Any) -> None:
+        _check_kind(self, store)
         config, grain = _settings(lambda: KVSTORE_DEFAULTS, grain_bytes, config, options)
         super().__init__(_inner_store(store))
         self._grain = grain or config.partition_bytes

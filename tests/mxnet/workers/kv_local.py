@@ -45,6 +45,15 @@ def main():
         assert np.array_equal(x, y)
     wrapped.close()
     wrapped.close()
+    # The kind is chosen at construction; a kind given the other kind of store is refused.
+    from bytescheduler.mxnet.kvstore import DistKVStore, PassThroughKVStore
+    assert type(wrapped) is PassThroughKVStore and isinstance(wrapped, ScheduledKVStore)
+    try:
+        DistKVStore("local")
+    except TypeError as error:
+        assert "create it with ScheduledKVStore(store, ...)" in str(error), error
+    else:
+        raise AssertionError("DistKVStore('local') was accepted")
     print("LOCAL OK")
 
 
