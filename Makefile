@@ -9,7 +9,7 @@ VENV_MXNET ?= .venv-mxnet
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup horovod mxnet demo test test-frameworks microbench results docker docker-test clean
+.PHONY: setup horovod lightning mxnet demo test test-frameworks microbench results docker docker-test clean
 
 # The library (.) and beside it bytescheduler-tools (tools/: the benchmark, the demo, the simulator).
 $(BIN)/.installed: setup.py tools/setup.py
@@ -29,6 +29,17 @@ $(BIN)/.horovod: $(BIN)/.installed scripts/install_horovod.sh
 	touch $@
 
 horovod: $(BIN)/.horovod
+
+# PyTorch Lightning for bytescheduler.lightning (tests/test_lightning.py), installed with the
+# pinned torch in one pip call so that pip keeps it (lightning 2.6.6 takes torch>=2.1 and pulls
+# no torchvision). Apart from `make setup`, so the demo and the Docker images stay lean.
+LIGHTNING_PIN ?= lightning==2.6.6
+
+$(BIN)/.lightning: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet "$(LIGHTNING_PIN)" "$(TORCH_PIN)"
+	touch $@
+
+lightning: $(BIN)/.lightning
 
 # The script does nothing when the environment already works and setup.py is unchanged.
 $(VENV_MXNET)/bin/.installed: setup.py tools/setup.py scripts/install_mxnet.sh
@@ -52,7 +63,7 @@ test: test-frameworks docker-test
 
 # The main environment has no MXNet: there tests/conftest.py leaves tests/mxnet out, and the
 # second run collects it in the MXNet environment (where it fails loudly if MXNet is broken).
-test-frameworks: setup $(BIN)/.horovod mxnet
+test-frameworks: setup $(BIN)/.horovod $(BIN)/.lightning mxnet
 	$(BIN)/python -m pytest
 	$(VENV_MXNET)/bin/python -m pytest tests/mxnet
 

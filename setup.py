@@ -36,6 +36,7 @@ setup(
         # Horovod 0.28.1 ships only as an sdist that needs build settings an extra cannot carry:
         # `make horovod` (scripts/install_horovod.sh) builds and installs it, then this is met.
         "horovod": ["torch>=2.1", "horovod>=0.28.1"],
+        "lightning": ["torch>=2.1", "lightning>=2.6"],
         "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "matplotlib"],
     },
     entry_points={"console_scripts": ["bytescheduler=bytescheduler.cli:main"]},
