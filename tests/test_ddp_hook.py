@@ -232,3 +232,32 @@ def test_two_states_at_once_and_reuse_of_groups():
         assert difference == 0.0
         # Two states were alive at once, so two sets of groups; the second pass reused them.
         assert list(pools.values()) == [2], pools
+
+
+def _dropped_hook(rank, world_size):
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import bytescheduler.pytorch as bsp
+
+    seen = {}
+    for registered in (False, True):
+        model = DDP(_model(), bucket_cap_mb=0.1)
+        state = bsp.ScheduledHookState()
+        if registered:
+            model.register_comm_hook(state, bsp.scheduled_allreduce_hook)
+        for _ in range(2):
+            model(torch.randn(4, 3, 8, 8)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state.close()
+        seen[registered] = [str(w.message) for w in caught]
+    return seen
+
+
+def test_a_state_whose_hook_never_ran_warns_at_close():
+    """A hook that was never registered (or that a framework dropped) is said, on every rank."""
+    for seen in run_ranks(_dropped_hook, 2, deadline=120):
+        assert any("saw no gradient bucket" in text and "register_comm_hook" in text for text in seen[False]), seen
+        assert not any("saw no gradient bucket" in text for text in seen[True]), seen

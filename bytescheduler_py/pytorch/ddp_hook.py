@@ -16,7 +16,7 @@ runs the faster (:class:`~bytescheduler.core.modes.ModeDriver`; a first choice's
 to the plain path, a re-trial's to the held one). Both give the same numbers.
 """
 
-
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -52,7 +52,8 @@ class ScheduledHookState:
             it, the bucket index is used in reverse: DDP numbers buckets in the order their
             gradients become ready in backward, which is reverse forward order.
 
-    Call :meth:`close` (or use ``with``) on every rank when training ends.
+    Call :meth:`close` (or use ``with``) on every rank when training ends. A state that saw
+    no bucket by then (the hook was never registered, or a framework dropped it) warns.
     """
 
     def __init__(
@@ -122,6 +123,15 @@ class ScheduledHookState:
         if self.closed:
             return
         self.closed = True
+        if wait and self._iterations == 0 and self.scheduler is not None:
+            # The hook never ran: DDP averaged on its own, and nothing said so (a framework
+            # that drops a comm hook it was given does not, e.g. Lightning off CUDA).
+            warnings.warn(
+                "ScheduledHookState saw no gradient bucket before close(): DDP averaged without "
+                "bytescheduler. Register the hook on the DDP model, "
+                "`ddp_model.register_comm_hook(state, scheduled_allreduce_hook)` (with PyTorch Lightning: "
+                "`strategy=bytescheduler.lightning.ScheduledStrategy(adapter='hook')`; its DDPStrategy "
+                "registers ddp_comm_hook on CUDA only)", UserWarning, stacklevel=2)
         self._session.close(wait=wait)
 
     def __enter__(self) -> "ScheduledHookState":
