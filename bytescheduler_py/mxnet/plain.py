@@ -210,7 +210,8 @@ class StoreModes:
 
     def configure(self, settings: SchedulerConfig) -> None:
         if settings.adaptive and not settings.auto_tune and self._num_workers > 1:
-            self.driver = ModeDriver(new_chooser(settings.mode_switch, settings.start_plain, settle=SETTLE_STEPS), self._rank == 0,
+            chooser = new_chooser(settings.mode_switch, settings.start_plain, settle=SETTLE_STEPS)
+            self.driver = ModeDriver(chooser, self._rank == 0,
                                      StoreAgreement(self._inner, self._rank, self._layout), rank=self._rank)
         else:
             self.driver = None

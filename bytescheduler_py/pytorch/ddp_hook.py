@@ -84,7 +84,8 @@ class ScheduledHookState:
         self.closed = False
         if self.scheduler is not None and settings.adaptive and not settings.auto_tune and self.world_size > 1:
             self._lane = self._session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
-            self.driver = ModeDriver(new_chooser(settings.mode_switch, settings.start_plain), self._session.groups.rank == 0,
+            chooser = new_chooser(settings.mode_switch, settings.start_plain)
+            self.driver = ModeDriver(chooser, self._session.groups.rank == 0,
                                      torch_agreement(self._lane, self._session.groups.backend),
                                      rank=self._session.groups.rank)
             self.plain = self.driver.mode == PLAIN  # a plan may start on DDP's own path

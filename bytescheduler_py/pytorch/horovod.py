@@ -161,10 +161,11 @@ def _wait_for(handle: int, cancel: Optional[threading.Event], timeout: float, wh
     For the first ``spin_seconds`` (default :data:`_SPIN_SECONDS`) it polls between
     ``sched_yield`` calls, as Horovod's own ``synchronize`` does: the core never idles, so
     the completion is seen at once (sleeping instead lets the core idle, and waking it costs
-    the plain path a noticeable share of a small model's iteration). Past that it polls with a growing pause (at most 1 ms), so a long wait does not
-    hold the core. The plain path's waits in ``step()`` spin to the deadline, as
-    ``synchronize`` does: an all-reduce of a large gradient on a slow link lasts longer
-    than 50 ms, and sleeping there cost 8% of an iteration (MLP, 2 Gbit/s).
+    the plain path a noticeable share of a small model's iteration). Past that it polls with
+    a growing pause (at most 1 ms), so a long wait does not hold the core. The plain path's
+    waits in ``step()`` spin to the deadline, as ``synchronize`` does: an all-reduce of a
+    large gradient on a slow link lasts longer than 50 ms, and sleeping there costs a share
+    of every iteration.
 
     Raises Horovod's error if the operation failed (e.g. a peer died), or
     :class:`CommunicationTimeout` after ``timeout`` seconds.
