@@ -9,7 +9,7 @@ VENV_MXNET ?= .venv-mxnet
 # torch is pinned for our CI and demo (its CPU wheel); the package itself accepts torch>=2.1.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup horovod lightning mxnet demo test test-frameworks microbench results docker docker-test clean
+.PHONY: setup horovod lightning huggingface mxnet demo test test-frameworks microbench results docker docker-test clean
 
 # The library (.) and beside it bytescheduler-tools (tools/: the benchmark, the demo, the simulator).
 $(BIN)/.installed: setup.py tools/setup.py
@@ -41,6 +41,17 @@ $(BIN)/.lightning: $(BIN)/.installed
 
 lightning: $(BIN)/.lightning
 
+# Hugging Face Accelerate and transformers for bytescheduler.accelerate and .transformers
+# (tests/test_huggingface.py), with the pinned torch in one pip call so that pip keeps it
+# (neither needs torchvision, whose wheels pull another torch).
+HF_PINS ?= accelerate==1.15.0 transformers==5.24.0
+
+$(BIN)/.huggingface: $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet $(HF_PINS) "$(TORCH_PIN)"
+	touch $@
+
+huggingface: $(BIN)/.huggingface
+
 # The script does nothing when the environment already works and setup.py is unchanged.
 $(VENV_MXNET)/bin/.installed: setup.py tools/setup.py scripts/install_mxnet.sh
 	PYTHON="$(PYTHON)" bash scripts/install_mxnet.sh $(VENV_MXNET)
@@ -63,7 +74,7 @@ test: test-frameworks docker-test
 
 # The main environment has no MXNet: there tests/conftest.py leaves tests/mxnet out, and the
 # second run collects it in the MXNet environment (where it fails loudly if MXNet is broken).
-test-frameworks: setup $(BIN)/.horovod $(BIN)/.lightning mxnet
+test-frameworks: setup $(BIN)/.horovod $(BIN)/.lightning $(BIN)/.huggingface mxnet
 	$(BIN)/python -m pytest
 	$(VENV_MXNET)/bin/python -m pytest tests/mxnet
 

@@ -37,6 +37,7 @@ setup(
         # `make horovod` (scripts/install_horovod.sh) builds and installs it, then this is met.
         "horovod": ["torch>=2.1", "horovod>=0.28.1"],
         "lightning": ["torch>=2.1", "lightning>=2.6"],
+        "huggingface": ["torch>=2.1", "accelerate>=1.15", "transformers>=5"],
         "test": ["torch>=2.1", "pytest>=7", "pytest-timeout>=2", "matplotlib"],
     },
     entry_points={"console_scripts": ["bytescheduler=bytescheduler.cli:main"]},

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import fields
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
@@ -45,7 +44,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "(pip install lightning)") from error
 
 from .core import ByteSchedulerError, SchedulerConfig
+from .core.config import OPTION_NAMES
 from .pytorch import ScheduledHookState, ScheduledOptimizer, scheduled_allreduce_hook
+from .pytorch.session import close_all
 
 __all__ = ["ADAPTERS", "ScheduledStrategy"]
 
@@ -53,8 +54,7 @@ log = logging.getLogger("bytescheduler")
 
 ADAPTERS = ("optimizer", "hook")
 
-# The keywords every adapter takes (SchedulerConfig's fields, defined there once).
-SCHEDULER_OPTIONS = frozenset(f.name for f in fields(SchedulerConfig) if f.name != "sources")
+SCHEDULER_OPTIONS = OPTION_NAMES  # the keywords every adapter takes
 
 # What DistributedDataParallel takes besides the module and its devices (adapter="hook").
 # Not its group: the scheduler averages over the whole world, as DDPStrategy's DDP does.
@@ -236,15 +236,7 @@ class ScheduledStrategy(DDPStrategy):
         if self.hook_state is not None:
             closers.append(self.hook_state.close)
         self._scheduled, self.hook_state = [], None
-        first: Optional[BaseException] = None
-        for close in closers:
-            try:
-                close(wait=wait)
-            except BaseException as error:  # noqa: BLE001 - close the others, then raise the first
-                first = first or error
-                wait = False
-        if first is not None:
-            raise first
+        close_all(closers, wait)
 
 
 class _Steps(torch.nn.Module):

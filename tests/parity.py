@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 STEPS = 12
 BATCH = 4
+VOCAB = 12  # tokens of the token models
 
 
 # --------------------------------------------------------------------------- models
@@ -87,9 +88,9 @@ class Tied(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(12, 8)
+        self.embed = nn.Embedding(VOCAB, 8)
         self.mix = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 12, bias=False)
+        self.head = nn.Linear(8, VOCAB, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor, skip=()) -> torch.Tensor:
@@ -108,9 +109,25 @@ class TwoDtypes(nn.Module):
         return self.out(torch.relu(self.wide(x.double())).float())
 
 
+class HuggingFace(nn.Module):
+    """A Hugging Face GPT-2 or BERT built from its config (tests/hf_models.py), dropout off;
+    ``forward`` returns its logits."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        from tests import hf_models  # imports transformers: only where a scenario uses it
+
+        self.inner = getattr(hf_models, kind)(VOCAB, dropout=False)
+
+    def forward(self, x: torch.Tensor, skip=()) -> torch.Tensor:
+        return self.inner(input_ids=x).logits
+
+
 MODELS: Dict[str, Callable[[], nn.Module]] = {
     "branchy": Branchy, "experts": Experts, "convbn": ConvBN, "tied": Tied, "two-dtypes": TwoDtypes,
+    "hf-gpt2": lambda: HuggingFace("gpt2"), "hf-bert": lambda: HuggingFace("bert"),
 }
+TOKENS = ("tied", "hf-gpt2", "hf-bert")  # models of token sequences, VOCAB tokens
 
 
 def batch(model: str, rank: int, step: int, micro: int = 0):
@@ -118,17 +135,17 @@ def batch(model: str, rank: int, step: int, micro: int = 0):
     generator = torch.Generator().manual_seed(10_000 * rank + 10 * step + micro)
     if model == "convbn":
         x = torch.randn(BATCH, 3, 6, 6, generator=generator)
-    elif model == "tied":
-        x = torch.randint(0, 12, (BATCH, 5), generator=generator)
-        return x, torch.randint(0, 12, (BATCH, 5), generator=generator)
+    elif model in TOKENS:
+        x = torch.randint(0, VOCAB, (BATCH, 5), generator=generator)
+        return x, torch.randint(0, VOCAB, (BATCH, 5), generator=generator)
     else:
         x = torch.randn(BATCH, 8, generator=generator)
     return x, torch.randint(0, 3, (BATCH,), generator=generator)
 
 
 def loss_of(model: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if model == "tied":
-        return F.cross_entropy(output.reshape(-1, 12), target.reshape(-1))
+    if model in TOKENS:
+        return F.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
     return F.cross_entropy(output, target)
 
 

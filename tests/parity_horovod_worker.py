@@ -39,6 +39,8 @@ SCENARIOS: List[Scenario] = [
     Scenario("horovod-experts", model="experts", optimizer="adamw", ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-experts-switching", model="experts", steps=28),  # see experts-switching
     Scenario("horovod-tied-weights", model="tied", optimizer="adam", ours=_HOROVOD_SCHEDULED),
+    Scenario("horovod-hf-gpt2", model="hf-gpt2", optimizer="adamw", ours=_HOROVOD_SCHEDULED),
+    Scenario("horovod-hf-bert", model="hf-bert", optimizer="adamw", ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-two-dtypes", model="two-dtypes", ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-checkpoint", optimizer="adam", checkpoint=True, ours=_HOROVOD_SCHEDULED),
     Scenario("horovod-lr-schedule", schedule=True, ours=_HOROVOD_SCHEDULED),

@@ -54,6 +54,10 @@ OPTIMIZER_SCENARIOS = [
     Scenario("lr-schedule", optimizer="sgd-nesterov", schedule=True, ours=SCHEDULED),
     Scenario("rmsprop", optimizer="rmsprop", plan="one-rank", ours=SCHEDULED),
     Scenario("adagrad", optimizer="adagrad", plan="one-rank", ours=SCHEDULED),
+    # Models someone else wrote: Hugging Face's GPT-2 (tied embeddings) and BERT.
+    Scenario("hf-gpt2", model="hf-gpt2", optimizer="adamw", ours=SCHEDULED),
+    Scenario("hf-gpt2-switching", model="hf-gpt2", optimizer="adamw"),
+    Scenario("hf-bert", model="hf-bert", optimizer="adamw", clip=True, ours=SCHEDULED),
 ]
 
 # Uneven inputs: ScheduledOptimizer under torch's Join against DDP under Join.
@@ -73,6 +77,8 @@ HOOK_SCENARIOS = [
     Scenario("hook-experts", model="experts", theirs=dict(find_unused_parameters=True)),
     Scenario("hook-batchnorm", model="convbn"),
     Scenario("hook-static-graph", theirs=dict(static_graph=True)),
+    Scenario("hook-hf-gpt2", model="hf-gpt2", optimizer="adamw"),
+    Scenario("hook-hf-bert", model="hf-bert", optimizer="adamw"),
 ]
 
 BY_NAME: Dict[str, Scenario] = {s.name: s for s in OPTIMIZER_SCENARIOS + JOIN_SCENARIOS + HOOK_SCENARIOS}

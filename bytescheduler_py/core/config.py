@@ -264,3 +264,7 @@ def _parse_options(overrides: Mapping[str, Any]) -> dict:
         raise TypeError(f"unknown scheduler option(s) {unknown}" + (f" (did you mean {', '.join(hints)}?)" if hints else "")
                         + f"; use one of {sorted(_PARSERS)}")
     return {name: _PARSERS[name](value, name) for name, value in overrides.items() if value is not None}
+
+
+# The keywords every adapter takes: SchedulerConfig's fields (its provenance record aside).
+OPTION_NAMES = frozenset(f.name for f in fields(SchedulerConfig) if f.name != "sources")

@@ -106,6 +106,11 @@ class ScheduledHookState:
                 return min(found)
         return -bucket.index()
 
+    @property
+    def iterations(self) -> int:
+        """How many iterations' buckets reached the hook (0: it never ran)."""
+        return self._iterations
+
     def begin_iteration(self) -> None:
         """The first bucket of an iteration arrived: the last iteration ended (every bucket
         of it averaged, as DDP waits for them); let the mode switch see it."""

@@ -61,6 +61,7 @@ class _ScheduledMethods:
                 "ScheduledOptimizer.step() takes no closure: optimizers that re-evaluate the model "
                 "(e.g. LBFGS) need every update at once; use the optimizer without bytescheduler"
             )
+        self._opt_called = True  # what torch's LR schedulers look for after a step
         self._bytescheduler.step()
         return None
 
@@ -105,6 +106,9 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, base: type, engine_factory:
     """
     methods = {k: v for k, v in vars(_ScheduledMethods).items() if not k.startswith("__") or k in ("__enter__", "__exit__")}
     methods["step"] = torch.optim.Optimizer.profile_hook_step(_ScheduledMethods.step)  # runs step hooks once per step
+    # An LR scheduler made on the user's optimizer and pointed at this one (as Lightning and
+    # Accelerate adapters do) sees a step it may follow: this step records that it ran.
+    methods["step"]._wrapped_by_lr_sched = True
     methods["__doc__"] = base.__doc__
     methods.update(extra or {})
     cls = type(base.__name__, (base,), methods)

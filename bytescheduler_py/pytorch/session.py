@@ -107,3 +107,20 @@ class TorchSession:
                 self.scheduler.stop(wait=wait)
         finally:
             self.release()
+
+
+def close_all(closers: List[Callable[..., None]], wait: bool = True) -> None:
+    """Call every ``close(wait=...)`` in order; after one fails, the rest drop their pending work.
+
+    For the framework integrations, which each hold several ScheduledOptimizers or hook
+    states: every one is closed, and the first error is raised after the last.
+    """
+    first: Optional[BaseException] = None
+    for close in closers:
+        try:
+            close(wait=wait)
+        except BaseException as error:  # noqa: BLE001 - close the others, then raise the first
+            first = first or error
+            wait = False
+    if first is not None:
+        raise first
