@@ -25,8 +25,8 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
 }
 GROUP = "bytescheduler.commands"
 # The commands bytescheduler-tools adds, named in the error when it is not installed.
-TOOLS = ("demo", "bench", "bench-summary", "microbench", "tuner-check", "simulate", "calibrate", "plan", "sweep",
-         "soak", "chaos")
+TOOLS = ("demo", "bench", "bench-summary", "microbench", "compile-check", "tuner-check", "simulate", "calibrate",
+         "plan", "sweep", "soak", "chaos")
 
 
 def _plugins() -> List[metadata.EntryPoint]:

@@ -57,12 +57,16 @@ class ComputeTimeline:
                 self.timeline.span(CATEGORY, name, start, end, {"layer": index})
 
     def _arrive(self, module: torch.nn.Module, inputs: Any) -> None:
-        self._close_open(time.perf_counter())
+        if not torch.compiler.is_compiling():  # a compiled forward is not timed per module
+            self._close_open(time.perf_counter())
 
     def _begin(self, index: int, name: str) -> None:
-        self._open = (index, name, time.perf_counter())
+        if not torch.compiler.is_compiling():
+            self._open = (index, name, time.perf_counter())
 
     def _forward_returned(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         now = time.perf_counter()
         self._close_open(now)
         self._forward_end = now

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..core.errors import CommunicationTimeout, ErrorLatch
 from ..core.log import logger
@@ -114,6 +114,13 @@ class Progress:
         """Block until :meth:`readable`."""
         with self.cond:
             self.wait(lambda: self.readable(state, gradient_only), state.name)
+
+    def wait_all_readable(self, states: Iterable[ParamState]) -> None:
+        """Block until every one of ``states`` is :meth:`readable`."""
+        with self.cond:
+            for state in states:
+                if state.stage != IDLE:
+                    self.wait(lambda state=state: self.readable(state, False), state.name)
 
     def wait(self, done: Callable[[], bool], what: str) -> None:
         """Wait (lock held) until ``done()``; raise the first error, or

@@ -81,11 +81,14 @@ class ReadGuard(TorchFunctionMode):
         return _local.guard is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        for engine in ReadGuard.engines:
-            if engine.busy:
-                if not _local.suspended:
-                    _wait_for(func, args, kwargs)
-                break
+        # Compiled code reads no engine state (dynamo would guard on it and recompile as
+        # it changes); what a compiled graph reads was waited for before it ran (compiled.py).
+        if not torch.compiler.is_compiling():
+            for engine in ReadGuard.engines:
+                if engine.busy:
+                    if not _local.suspended:
+                        _wait_for(func, args, kwargs)
+                    break
         return func(*args, **(kwargs or {}))
 
 

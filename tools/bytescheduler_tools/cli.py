@@ -7,6 +7,8 @@ COMMANDS = {
     "bench": ("measure every system on a (bandwidth-limited) 2-rank testbed", "bytescheduler_tools.bench.runner:main"),
     "bench-summary": ("one table of every scheduled system's speedup from many bench runs",
                       "bytescheduler_tools.bench.summary:main"),
+    "compile-check": ("torch.compile with each adapter on 2 local ranks: time per step, recompiles, numbers",
+                      "bytescheduler_tools.bench.compile_check:main"),
     "microbench": ("scheduling cost per piece with a backend that does nothing",
                    "bytescheduler_tools.bench.microbench:main"),
     "tuner-check": ("grid of partition x credit on the testbed, then the tuner from a plan: how soon it gets close",

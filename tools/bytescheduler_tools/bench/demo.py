@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import socket
 import statistics
-import sys
 import time
 from datetime import timedelta
 from typing import Dict, List
+
+from .local_ranks import run_local_ranks
 
 
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, results) -> None:
@@ -64,7 +64,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
                 times[name].append((time.perf_counter() - started) / args.iters)
         state.close()
         same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), scheduled.parameters()))
-        results.put((rank, times, same, state.scheduler.stats))
+        results.put((rank, (times, same, state.scheduler.stats), None))
         # Free the DDP models (they hold the process group) before ending it, so gloo's
         # threads end with the group instead of outliving the interpreter (an abort at
         # exit otherwise). DDP's hooks refer to the module: only the collector frees it.
@@ -76,14 +76,8 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     except BaseException as error:  # noqa: BLE001
         import traceback
 
-        results.put((rank, traceback.format_exc(), False, None))
+        results.put((rank, None, traceback.format_exc()))
         raise SystemExit(1) from error
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: List[str] = None) -> int:
@@ -97,42 +91,12 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the demo gives up")
     args = parser.parse_args(argv)
 
-    import multiprocessing as mp
-
     world_size = 2
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    print(f"bytescheduler demo: {world_size} ranks on 127.0.0.1:{port} (gloo), VGG-like CNN, "
+    print(f"bytescheduler demo: {world_size} ranks on 127.0.0.1 (gloo), VGG-like CNN, "
           f"batch {args.batch_size}, {args.rounds} rounds x {args.iters} iterations per system", flush=True)
-    processes = [context.Process(target=_rank_main, args=(r, world_size, port, args, results)) for r in range(world_size)]
-    for process in processes:
-        process.start()
-    collected = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(collected) < world_size:
-            try:
-                rank, times, same, stats = results.get(timeout=1.0)
-            except Exception:  # queue.Empty
-                if time.monotonic() > deadline:
-                    print(f"demo: no result within {args.timeout} s", file=sys.stderr)
-                    return 1
-                if any(p.exitcode not in (None, 0) for p in processes):
-                    print("demo: a rank failed", file=sys.stderr)
-                    return 1
-                continue
-            if stats is None:
-                print(f"demo: rank {rank} failed:\n{times}", file=sys.stderr)
-                return 1
-            collected[rank] = (times, same, stats)
-        for process in processes:
-            process.join(30)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+    collected = run_local_ranks(_rank_main, (args,), world_size, args.timeout, "demo")
+    if collected is None:
+        return 1
 
     times, same, stats = collected[0]
     # An iteration ends when the slowest rank is done: take the max over ranks per block.

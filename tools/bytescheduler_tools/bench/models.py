@@ -51,6 +51,21 @@ def mlp(width: int = 2048, layers: int = 8) -> nn.Module:
     return nn.Sequential(*modules)
 
 
+class _Dense(nn.Module):
+    def __init__(self, features: int, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.linear(x))
+
+
+def mlp_blocks(width: int = 256, layers: int = 4) -> nn.Module:
+    """:func:`mlp` made of blocks of a class of its own (for compiling each block alone)."""
+    blocks = [_Dense(3 * 32 * 32 if index == 0 else width, width) for index in range(layers)]
+    return nn.Sequential(nn.Flatten(), *blocks, nn.Linear(width, 10))
+
+
 class _Residual(nn.Module):
     def __init__(self, channels: int, stride: int) -> None:
         super().__init__()
@@ -128,13 +143,18 @@ def _tokens(vocab: int, length: int) -> Batch:
 
 
 def build(name: str) -> Tuple[nn.Module, Batch]:
-    """A model by name: vgg, vgg-small, mlp, resnet, gpt2, transformer, gpt2-small, cnn-small, tiny."""
+    """A model by name: vgg, vgg-small, mlp, mlp-small, mlp-blocks, resnet, gpt2, transformer,
+    gpt2-small, cnn-small, tiny."""
     if name == "vgg":
         return vgg_like(), _images()
     if name == "vgg-small":
         return vgg_like(width=32, hidden=1024, fc_layers=4), _images()
     if name == "mlp":
         return mlp(), _images()
+    if name == "mlp-small":
+        return mlp(width=512, layers=8), _images()
+    if name == "mlp-blocks":
+        return mlp_blocks(), _images()
     if name == "resnet":
         return resnet_like(), _images()
     if name == "gpt2":
@@ -152,4 +172,5 @@ def build(name: str) -> Tuple[nn.Module, Batch]:
     raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
 
 
-MODELS = ("vgg", "vgg-small", "mlp", "resnet", "gpt2", "transformer", "gpt2-small", "cnn-small", "tiny")
+MODELS = ("vgg", "vgg-small", "mlp", "mlp-small", "mlp-blocks", "resnet",
+          "gpt2", "transformer", "gpt2-small", "cnn-small", "tiny")
