@@ -142,9 +142,36 @@ def _tokens(vocab: int, length: int) -> Batch:
     return make
 
 
+class HuggingFace(nn.Module):
+    """A Hugging Face ``transformers`` model built from its config (no download; needs
+    ``pip install transformers``, ``make huggingface``): its logits, one row per token."""
+
+    def __init__(self, kind: str, vocab: int = 8192, width: int = 256, layers: int = 4, heads: int = 8,
+                 length: int = 64) -> None:
+        super().__init__()
+        try:
+            import transformers
+        except ImportError as error:
+            raise ImportError(f"model hf-{kind} needs transformers: pip install transformers "
+                              "(make huggingface)") from error
+        if kind == "gpt2":  # tied input and output embeddings
+            config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab,
+                                             n_positions=length, bos_token_id=0, eos_token_id=0)
+            self.inner = transformers.GPT2LMHeadModel(config)
+        else:  # masked language modelling, no pooler
+            config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                                             intermediate_size=4 * width, vocab_size=vocab,
+                                             max_position_embeddings=length, pad_token_id=0)
+            self.inner = transformers.BertForMaskedLM(config)
+        self.vocab = vocab
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=tokens).logits.reshape(-1, self.vocab)
+
+
 def build(name: str) -> Tuple[nn.Module, Batch]:
     """A model by name: vgg, vgg-small, mlp, mlp-small, mlp-blocks, resnet, gpt2, transformer,
-    gpt2-small, cnn-small, tiny."""
+    gpt2-small, cnn-small, tiny, hf-gpt2, hf-bert."""
     if name == "vgg":
         return vgg_like(), _images()
     if name == "vgg-small":
@@ -167,10 +194,12 @@ def build(name: str) -> Tuple[nn.Module, Batch]:
         return GPT2Like(), _tokens(512, 32)
     if name == "cnn-small":
         return vgg_like(width=8, hidden=128, fc_layers=3), _images()
+    if name in ("hf-gpt2", "hf-bert"):  # Hugging Face's own, the size of gpt2 above
+        return HuggingFace(name[3:]), _tokens(8192, 64)
     if name == "tiny":
         return nn.Sequential(nn.Flatten(), nn.Linear(3072, 64), nn.ReLU(), nn.Linear(64, 10)), _images()
     raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODELS)}")
 
 
 MODELS = ("vgg", "vgg-small", "mlp", "mlp-small", "mlp-blocks", "resnet",
-          "gpt2", "transformer", "gpt2-small", "cnn-small", "tiny")
+          "gpt2", "transformer", "gpt2-small", "cnn-small", "tiny", "hf-gpt2", "hf-bert")
