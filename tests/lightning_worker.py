@@ -254,6 +254,51 @@ class LBFGSNet(Net):
         return torch.optim.LBFGS(self.parameters(), lr=0.1)
 
 
+HF_VOCAB, HF_LENGTH = 32, 8
+
+
+class HFNet(pl.LightningModule):
+    """A Hugging Face GPT-2 (tied embeddings) or BERT built from its config (tests/hf_models.py;
+    dropout off: the runs follow each other in one process), AdamW with transformers' linear
+    warm-up schedule, stepped per batch; its loss is the model's own (labels = the inputs)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        from tests import hf_models  # imports transformers: only in this scenario
+
+        self.inner = getattr(hf_models, kind)(HF_VOCAB, dropout=False)
+        self.losses: List[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        loss = self.inner(input_ids=tokens, labels=tokens).loss
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._last_optimizer = self.trainer.optimizers[0]
+
+    def configure_optimizers(self):
+        import transformers
+
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
+        schedule = transformers.get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=8)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def huggingface(name: str, make: Callable, out: str) -> Dict[str, Any]:
+    """GPT-2 and BERT, two epochs of three steps; BERT's gradient norms clipped at 0.5."""
+    results = {}
+    for kind, clip in (("gpt2", None), ("bert", 0.5)):
+        generator = torch.Generator().manual_seed(7)
+        tokens = torch.randint(0, HF_VOCAB, (3 * 4 * 2, HF_LENGTH), generator=generator)
+        model = HFNet(kind)
+        run = trainer(make(), gradient_clip_val=clip)
+        run.fit(model, DataLoader(TensorDataset(tokens), batch_size=4, shuffle=False))
+        results[kind] = {**snapshot(model), "after": closed_after_fit(run, model)}
+    return results
+
+
 SCENARIOS = {
     "basic": (basic, ["scheduled", "scheduled-defaults", "hook", "ddp"]),
     "accumulate_clip": (accumulate_clip, ["scheduled", "hook", "ddp"]),
@@ -261,6 +306,7 @@ SCENARIOS = {
     "manual": (manual, ["scheduled", "ddp"]),
     "lifecycle": (lifecycle, ["scheduled", "hook", "ddp"]),
     "exception": (exception, ["scheduled", "hook", "ddp"]),
+    "huggingface": (huggingface, ["scheduled", "hook", "ddp"]),
 }
 
 

@@ -143,6 +143,20 @@ def test_a_failed_fit_closes_the_scheduler_and_the_next_fit_gives_ddp_strategys_
         assert "cannot run LBFGS" in (runs["scheduled"]["lbfgs"] or ""), runs["scheduled"]["lbfgs"]
 
 
+def test_hugging_face_models_give_ddp_strategys_numbers(tmp_path):
+    stages = ("gpt2", "bert")
+    ranks = run_scenario("huggingface", tmp_path)
+    _assert_stages_same(ranks, stages)
+    for runs in ranks:
+        for stage in stages:
+            assert len(runs["ddp"][stage]["losses"]) == 6
+            assert len(set(runs["ddp"][stage]["losses"])) > 1
+            _closed(runs["scheduled"][stage]["after"])
+    assert ranks[0]["ddp"]["gpt2"]["losses"] != ranks[1]["ddp"]["gpt2"]["losses"]
+    assert_timeline_ran(tmp_path, "huggingface-scheduled")
+    assert_timeline_ran(tmp_path, "huggingface-hook")
+
+
 # ------------------------------------------------------------------- in this process
 
 
