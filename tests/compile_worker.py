@@ -33,7 +33,7 @@ class SlowSGD(torch.optim.SGD):
 
 
 # Trials from the fourth step, two steps each: both paths run (and compile) within STEPS.
-QUICK_SWITCH = {"warmup": 3, "trial": 2, "trial_seconds": 0.01}
+QUICK_SWITCH = {"warmup": 3, "trial": 2, "trial_seconds": 0.01, "predict": False}
 
 # scenario -> (model, [(system, scheduler options, step at which its children are compiled)])
 SCENARIOS = {

@@ -213,7 +213,7 @@ def scenario_switch() -> None:
     """The mode switch with short phases: both paths run, switching often, on every rank alike."""
     from bytescheduler.core import modes
 
-    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False).text()
     runs = [
         compare("cnn-small", "sgd", 1, adaptive=True),
         compare("gpt2-small", "adamw", 1, adaptive=True, idiom=True),
@@ -584,7 +584,7 @@ def _lockstep(options) -> dict:
 def scenario_many() -> None:
     from bytescheduler.core import modes
 
-    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False).text()
     if hvd.rank() == hvd.size() - 1:
         time.sleep(3.0)  # joins late: the others wait in the start-up agreement
     report(scenario="many", pieces=_lockstep(dict(partition_bytes="4KiB", credit_bytes="16KiB", adaptive=False)),
@@ -779,7 +779,7 @@ def scenario_surface() -> None:
                                                 adaptive=False),
     }
     # The same with the mode switch on short phases: Horovod's own path runs too.
-    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False).text()
     runs["clip-switch"] = _side_by_side(_clipped(), steps=30, adaptive=True)
     runs["predivide-switch"] = _side_by_side(_plain, steps=30, hvd_options=dict(gradient_predivide_factor=3.0),
                                              adaptive=True)

@@ -52,3 +52,19 @@ def test_bad_input_is_refused():
         choosing.choosing_cost(0.1, 0.0)
     with pytest.raises(ValueError, match="step counts"):
         choosing.choosing_cost(0.1, 1.1, steps=(0,))
+
+
+def test_a_sure_start_up_prediction_saves_the_first_steps_and_a_wrong_one_is_undone():
+    steps = (13, 60, 10_000)
+    for step_seconds, speedup in ((1.0, 1.35), (0.11, 0.67)):
+        trials = choosing.choosing_cost(step_seconds, speedup, steps=steps, seed=2)
+        sure = choosing.choosing_cost(step_seconds, speedup, steps=steps, seed=2, prediction="sure")
+        wrong = choosing.choosing_cost(step_seconds, speedup, steps=steps, seed=2, prediction="wrong")
+        # the warm-up's 3 steps run the schedule either way; after them no trial of the slower path
+        assert sure[13] < trials[13] / 2 and sure[60] < trials[60], (speedup, sure, trials)
+        assert sure[10_000] <= trials[10_000] * 1.05, (speedup, sure, trials)  # no dearer in the long run
+        assert wrong[60] > trials[60] and wrong[10_000] < 0.01, (speedup, wrong)  # the re-trial undoes it
+    # within the model's margin the prediction says nothing: the trials run as without it
+    assert choosing.choosing_cost(0.11, 1.05, seed=2, prediction="sure") == choosing.choosing_cost(0.11, 1.05, seed=2)
+    with pytest.raises(ValueError, match="prediction"):
+        choosing.choosing_cost(0.1, 1.1, prediction="maybe")

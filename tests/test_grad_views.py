@@ -22,7 +22,7 @@ from bytescheduler.pytorch.grad_views import MIN_VIEW_BYTES, BucketViews, can_vi
 from tests.distributed import run_ranks
 
 STEPS = 24
-SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
+SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False)
 
 
 def test_a_view_is_handed_over_only_where_it_saves_a_copy_and_is_laid_out_alike():

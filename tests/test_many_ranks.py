@@ -43,7 +43,7 @@ def _lockstep(rank, world_size, adapter, options):
     from bytescheduler.core import modes
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2).text()
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False).text()
     jitter = random.Random(1000 + rank)
     if rank == world_size - 1:
         time.sleep(LATE_SECONDS)  # joins late: the others wait in the start-up agreement

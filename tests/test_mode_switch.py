@@ -487,7 +487,7 @@ def test_a_step_with_an_unused_parameter_is_irregular_and_one_without_backward_i
 # --------------------------------------------------------------------------- the switch, on 2 ranks
 
 STEPS = 30
-SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
+SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False)
 
 
 def _modes(optimizer):
@@ -616,7 +616,7 @@ def _second_backward_in_plain_mode(rank):
     import bytescheduler.pytorch as bsp
     from bytescheduler.core import modes
 
-    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=1, settle=0, trial=1, pairs=1, hold=1000, trial_seconds=0).text()
+    os.environ["BYTESCHEDULER_MODE_SWITCH"] = modes.ModeSwitchParams(warmup=1, settle=0, trial=1, pairs=1, hold=1000, trial_seconds=0, predict=False).text()
     model = nn.Linear(4, 2)
     optimizer = bsp.ScheduledOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(3, 4)

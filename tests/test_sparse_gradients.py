@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from tests.distributed import run_ranks
 
 STEPS = 20
-SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2)
+SHORT = dict(warmup=2, settle=1, trial=2, pairs=2, hold=3, trial_seconds=0, clear_hold=1, min_retrial=2, predict=False)
 
 
 class _Recommender(nn.Module):

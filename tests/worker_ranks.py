@@ -15,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -39,17 +40,25 @@ def _env(rank: int, port: int, global_rank: bool) -> dict:
     return env
 
 
-def run_worker(worker: str, scenario: str, out: pathlib.Path, deadline: float, global_rank: bool = True) -> list:
-    """Both ranks of ``scenario``; their saved results. Kills only the processes it started."""
+def run_worker(worker: str, scenario: str, out: pathlib.Path, deadline: float, global_rank: bool = True,
+               testbed: Any = None) -> list:
+    """Both ranks of ``scenario``; their saved results. Kills only the processes it started.
+
+    ``testbed``: a :class:`bytescheduler_tools.bench.testbed.Testbed` (e.g. two network
+    namespaces joined by a shaped link) to run the ranks in."""
     port = free_port()
     logs = [out / f"{scenario}.rank{rank}.log" for rank in range(2)]
     processes = []
     try:
         for rank in range(2):
+            command = [sys.executable, "-m", worker, scenario, str(out)]
+            env = _env(rank, port, global_rank)
+            if testbed is not None:
+                command = testbed.wrap(rank, command)
+                env.update(testbed.env(rank), MASTER_ADDR=testbed.master_addr)
             with open(logs[rank], "w") as log:
                 processes.append(subprocess.Popen(
-                    [sys.executable, "-m", worker, scenario, str(out)], cwd=ROOT, env=_env(rank, port, global_rank),
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                    command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         end = time.monotonic() + deadline
         while any(p.poll() is None for p in processes):
             failed = [r for r, p in enumerate(processes) if p.poll() not in (None, 0)]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .errors import as_library_error
+from .values import parse_bool
 
 SCHEDULED = "scheduled"
 PLAIN = "plain"
@@ -63,15 +64,31 @@ class Phase(enum.Enum):
 CLEAR = 1
 
 
-def encode(code: int, steps: int = 0) -> int:
+# After the warm-up, a CONTINUE may also carry the mode predicted to win (:mod:`.startup`):
+# that mode is then held at once instead of trialled against the other.
+_PREDICTED_UNIT = 4 * 4096  # steps stay below 4096 (ModeSwitchParams.max_trial)
+_PREDICTED = {None: 0, SCHEDULED: 1, PLAIN: 2}
+
+
+def encode(code: int, steps: int = 0, predicted: Optional[str] = None) -> int:
     """A proposal: ``code`` (CONTINUE, CHOOSE_*, STOP) and, if not 0, the trials' length in
-    steps (CONTINUE) or :data:`CLEAR` (CHOOSE_*)."""
-    return code + 4 * steps
+    steps (CONTINUE) or :data:`CLEAR` (CHOOSE_*); after the warm-up, the mode ``predicted``
+    to win, if any.
+
+    >>> decode(encode(CONTINUE, 12, PLAIN)), predicted_mode(encode(CONTINUE, 12, PLAIN))
+    ((0, 12), 'plain')
+    """
+    return code + 4 * steps + _PREDICTED_UNIT * _PREDICTED[predicted]
 
 
 def decode(proposal: int) -> Tuple[int, int]:
     """``(code, steps)`` of a proposal (see :func:`encode`)."""
-    return proposal % 4, proposal // 4
+    return proposal % 4, (proposal % _PREDICTED_UNIT) // 4
+
+
+def predicted_mode(proposal: int) -> Optional[str]:
+    """The mode a proposal says to start on (None: none predicted)."""
+    return {number: mode for mode, number in _PREDICTED.items()}[proposal // _PREDICTED_UNIT]
 
 
 def _other(mode: str) -> str:
@@ -137,6 +154,10 @@ class ModeSwitchParams:
             step), in at most ``max_trial`` steps.
         clear_hold, decisive, verify_hold: see ``hold``.
         min_clear_samples: see ``clear``.
+        predict: at the warm-up's end, probe the link and start on the path that a model of
+            both predicts to win, where it is sure by a wide margin (:mod:`.startup`; held
+            for ``verify_hold`` steps, then re-tried like any first choice); where it is not
+            sure, and with ``predict=False``, both paths are tried first.
 
     >>> params = ModeSwitchParams.parse("hold=400,trial_seconds=1.5")
     >>> params.hold, params.trial_seconds, params.warmup
@@ -158,12 +179,13 @@ class ModeSwitchParams:
     decisive: float = 0.20
     verify_hold: int = 50
     min_retrial: int = 8
+    predict: bool = True
 
     def __post_init__(self) -> None:
         if (min(self.warmup, self.trial, self.pairs, self.hold, self.verify_hold, self.min_retrial) < 1
-                or self.settle < 0 or self.max_trial < self.trial or self.trial_seconds < 0):
+                or self.settle < 0 or not self.trial <= self.max_trial < 4096 or self.trial_seconds < 0):
             raise ValueError("warmup, trial, pairs, hold, verify_hold and min_retrial must be at least 1, settle and "
-                             "trial_seconds at least 0, and max_trial at least trial")
+                             "trial_seconds at least 0, and max_trial at least trial and below 4096")
 
     def text(self) -> str:
         """The fields that differ from the defaults, as :meth:`parse` reads them (e.g. for
@@ -200,6 +222,9 @@ class ModeSwitchParams:
             raise TypeError(f"{name}: unknown mode-switch parameter(s) {unknown}; use any of {sorted(known)}")
         parsed = {}
         for key, val in value.items():
+            if known[key].type in ("bool", bool):
+                parsed[key] = parse_bool(val, f"{name}: {key}")
+                continue
             kind = float if known[key].type in ("float", float) else int
             try:
                 parsed[key] = kind(val)
@@ -252,6 +277,7 @@ class ModeChooser:
         self._pairs_run = 0
         self._hold = params.hold
         self._verifying = False  # the hold now running is a first choice's short one
+        self._predicted = False  # ... and that choice was the start-up prediction's
         self._tentative = False  # the schedule is held because one re-trial switched to it: it must lead again
         self._held: List[float] = []  # the hold's last timed steps (half the re-trial's reference)
         self._retried: List[float] = []  # the re-trial's timed steps, while the held mode runs again
@@ -345,6 +371,9 @@ class ModeChooser:
         if code == CONTINUE:
             if self._phase not in (Phase.WARMUP, Phase.TRIAL):
                 raise ValueError("CONTINUE is only proposed after the warm-up or a trial pair")
+            predicted = predicted_mode(proposal)
+            if predicted is not None and self._phase != Phase.WARMUP:
+                raise ValueError("a predicted mode is only proposed after the warm-up")
             if extra:
                 self.trial = extra  # the trials' length, from rank 0's warm-up
                 # Long trials (fast steps) go as up to three shorter phases a side, alternating:
@@ -355,6 +384,14 @@ class ModeChooser:
                 scale = self.retrial / self.params.min_retrial  # the holds keep the re-trials' share of steps
                 given = (self.params.hold, min(self.params.verify_hold, self.params.hold), self.params.max_hold)
                 self.first_hold, self.verify_hold, self.max_hold = (math.ceil(h * scale) for h in given)
+            if predicted is not None:
+                # Start on the predicted path, held as a first choice that is not decisive:
+                # its re-trial, after the short hold, is the trials' confirmation.
+                self.choices += 1
+                self._verifying = self.verify_hold < self.first_hold
+                self._predicted = True
+                self._start(Phase.HOLD, predicted, self.verify_hold, drained)
+                return
             self._start(Phase.TRIAL, SCHEDULED, self.phase_steps, drained)
             return
         chosen = SCHEDULED if code == CHOOSE_SCHEDULED else PLAIN
@@ -364,6 +401,8 @@ class ModeChooser:
         if self._phase == Phase.BACK:
             confirmed = chosen == self.mode  # back on the held mode after the re-trial
             grown = self.first_hold if self._verifying else min(self._hold * 2, self.max_hold)
+            if confirmed and self._predicted and extra == CLEAR:  # the prediction's re-trial, decisive
+                grown = min(self.first_hold * self.params.clear_hold, self.max_hold)
             self._hold = grown if confirmed else self.first_hold
             tentative = not confirmed and chosen == SCHEDULED
         elif extra == CLEAR:
@@ -371,6 +410,7 @@ class ModeChooser:
         else:  # a first choice from trials, not decisive: a second look soon
             hold = self.verify_hold
         self._verifying = hold is not None and hold < self.first_hold
+        self._predicted = False
         self._tentative = tentative
         self._phases = {SCHEDULED: [], PLAIN: []}
         self._pairs_run = 0
@@ -399,13 +439,20 @@ class ModeChooser:
         if self._phase == Phase.HOLD:
             self._held = (self._held + [seconds])[-self.retrial:]
 
-    def propose(self) -> int:
-        """Rank 0 at a decision point: what every rank should do next."""
+    def propose(self, predict: Optional[Callable[[float], Optional[str]]] = None) -> int:
+        """Rank 0 at a decision point: what every rank should do next.
+
+        ``predict(step_seconds)``, after the warm-up: the mode predicted to win from the
+        warm-up's median step (None: not sure); that mode is then held without trials."""
         if self._phase == Phase.WARMUP:
             step = _median(self._samples[1:] or self._samples)  # the first step is the slowest
             params = self.params
             steps = params.trial if not step else math.ceil(params.trial_seconds / step)
-            return encode(CONTINUE, max(params.trial, min(params.max_trial, steps)))
+            predicted = predict(step) if predict is not None and step else None
+            if predicted is not None:
+                self.verdicts.append({"kind": "prediction", "step": sum(steps for _, steps in self._runs),
+                                      "winner": predicted, "told_apart": True, "clear": False})
+            return encode(CONTINUE, max(params.trial, min(params.max_trial, steps)), predicted)
         if self._phase == Phase.BACK:
             # The held mode's steps just before the re-trial and just after it, against the
             # re-trial's: a machine that slows down or speeds up meanwhile weighs on both sides.
@@ -413,7 +460,7 @@ class ModeChooser:
             if not held or not self._retried:
                 return _CHOICE[self.mode]  # nothing to compare: stay on the held mode
             samples = {self.mode: held, _other(self.mode): self._retried}
-            winner, told_apart, _ = verdict(samples, self.params.margin, each_side=True)
+            winner, told_apart, (scheduled, plain) = verdict(samples, self.params.margin, each_side=True)
             if not told_apart:
                 # A re-trial looks for a change: the held path, chosen on evidence, stays unless
                 # the other is faster beyond the noise (a pipelined schedule's steps spread
@@ -422,8 +469,12 @@ class ModeChooser:
                 # choice: it must lead again, or the plain path runs (an eight-step re-trial can
                 # catch a run of slow steps on the held side).
                 winner = PLAIN if self._tentative else self.mode  # tentative: the schedule is held
-            self._note("re-trial", samples, winner, told_apart, False)
-            return _CHOICE[winner]
+            # The first re-trial of a predicted path is its first timed comparison: a decisive
+            # confirmation holds as long as a decisive choice from trials would.
+            decisive = (self._predicted and told_apart and winner == self.mode
+                        and abs(scheduled - plain) >= self.params.decisive * max(scheduled, plain))
+            self._note("re-trial", samples, winner, told_apart, decisive)
+            return encode(_CHOICE[winner], CLEAR if decisive else 0)
         samples = {mode: [t for phase in self._phases[mode] for t in phase] for mode in MODES}  # pooled
         if not samples[SCHEDULED] or not samples[PLAIN]:
             return CONTINUE if self._pairs_run < self.params.pairs * self.split else CHOOSE_SCHEDULED
@@ -567,8 +618,10 @@ class ModeDriver:
     """
 
     def __init__(self, chooser: ModeChooser, leader: bool, agree: Callable[[int, bool], int],
-                 clock: Callable[[], float] = time.perf_counter, rank: int = 0) -> None:
+                 clock: Callable[[], float] = time.perf_counter, rank: int = 0,
+                 startup: Optional[Any] = None) -> None:
         self.chooser = chooser
+        self.startup = startup  # probe() on every rank, predict(step_s) on rank 0 (.startup)
         self._leader = leader
         self._rank = rank
         self._agree = agree
@@ -589,7 +642,13 @@ class ModeDriver:
         if self.chooser.end_step():
             if old == SCHEDULED:
                 drain()
-            proposal = self.chooser.propose() if self._leader else CONTINUE
+            predict = None
+            if self.startup is not None and self.chooser.phase == Phase.WARMUP:
+                try:  # collective: every rank probes the link, whatever its veto
+                    predict = self.startup.probe()
+                except Exception as error:  # noqa: BLE001 - a peer died or hangs: say so
+                    raise as_library_error(error, self._rank) from error
+            proposal = self.chooser.propose(predict) if self._leader else CONTINUE
             try:
                 decision = self._agree(proposal, veto)
             except Exception as error:  # noqa: BLE001 - a peer died or hangs: say so, as every failure

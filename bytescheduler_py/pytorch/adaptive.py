@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
-from ..core.modes import PLAIN, ModeDriver, ModeSwitchParams, new_chooser
+from ..core.log import logger as log
+from ..core.modes import PLAIN, ModeDriver, ModeSwitchParams, Phase, new_chooser
+from ..core.startup import BUCKET_BYTES, FIRST_BUCKET_BYTES, StartupPredictor, StepSample
 from .grad_views import hand_over
 from .params import dense_gradient
 from .plain import PlainPath, Reducer, assign_buckets
 from .unused import Absence
 from .read_guard import ReadGuard, suspended
 from .updates import full_optimizer
-
-# DDP's bucket sizes (torch.distributed's first bucket and bucket_cap_mb's default).
-FIRST_BUCKET_BYTES = 1024**2
-BUCKET_BYTES = 25 * 1024**2
 
 
 class FrameworkHooks(Protocol):
@@ -224,10 +222,24 @@ class ModeSwitch:
     """
 
     def __init__(self, setup: PlainSetup, rank: int, states: Dict[int, Any], passes: int,
-                 clock: Callable[[], float] = time.perf_counter, absence: Optional[Absence] = None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, absence: Optional[Absence] = None,
+                 progress: Any = None) -> None:
         leader = rank == 0
         self.chooser = new_chooser(setup.mode_switch, setup.start_plain)
-        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank)
+        # After the warm-up, start on the path a model predicts to win (core.startup); with
+        # accumulation the warm-up's steps are several backward passes each: not modelled.
+        self.startup: Optional[StartupPredictor] = None
+        self._sampler: Optional[WarmupSampler] = None
+        if self.chooser.params.predict and self.chooser.phase == Phase.WARMUP and passes == 1 and progress is not None:
+            dense = [s.param for s in states.values() if not s.sparse]
+            self.startup = StartupPredictor(
+                _probe_on(setup.reducer, dense[0].device if dense else torch.device("cpu")),
+                sum(p.numel() * p.element_size() for p in dense), leader,
+                setup.first_bytes or FIRST_BUCKET_BYTES, setup.bucket_bytes or BUCKET_BYTES,  # Horovod fuses
+                report=lambda prediction: log.info("rank 0: %s", prediction.text()))
+            if leader:
+                self._sampler = WarmupSampler(progress, self.startup)
+        self._driver = ModeDriver(self.chooser, leader, setup.agree, clock, rank, startup=self.startup)
         self.route = (BucketRoute(setup, rank, states, passes, absence) if setup.hooks is None
                       else HookRoute(setup.hooks, passes))
         self.irregular = False  # a parameter had no gradient at some step on this rank
@@ -274,6 +286,11 @@ class ModeSwitch:
         new = self._driver.end_step(engine.synchronize, self.irregular)
         if new != old:
             self.apply(engine)
+        if self._sampler is not None:  # rank 0: time the warm-up's next step
+            warming = self.chooser.phase == Phase.WARMUP and not engine.plain
+            engine.sampling = self._sampler.begin() if warming else None
+            if not warming:
+                self._sampler = None
 
     def apply(self, engine: Any) -> None:
         """Put ``engine`` on the chooser's mode: its flag, its hooks and the read guard (which
@@ -285,6 +302,53 @@ class ModeSwitch:
         else:
             ReadGuard.attach(engine, install=engine.guard_reads)
             _own_gradients(engine.states.values())
+
+
+class WarmupSampler:
+    """Rank 0's warm-up steps after the first, for the start-up prediction: when each
+    gradient arrived, and the compute before and after the first one, the training
+    thread's waits (:attr:`~bytescheduler.pytorch.progress.Progress.blocked_s`) left out.
+
+    The engine calls :meth:`gradient` from its gradient hook while a step is sampled
+    (``engine.sampling``) and :meth:`end` when ``step()`` is called."""
+
+    def __init__(self, progress: Any, startup: StartupPredictor) -> None:
+        self._progress = progress
+        self._startup = startup
+        self._ready: List[Tuple[float, int]] = []
+        self._began = self._blocked = self._first_blocked = 0.0
+
+    def begin(self) -> "WarmupSampler":
+        self._ready = []
+        self._began, self._blocked = time.perf_counter(), self._progress.blocked_s
+        return self
+
+    def gradient(self, param: torch.Tensor) -> None:
+        blocked = self._progress.blocked_s
+        if not self._ready:
+            self._first_blocked = blocked
+        # when it arrived on the backward's own clock: the waits since the first one left out
+        arrived = time.perf_counter() - (blocked - self._first_blocked)
+        self._ready.append((arrived, param.numel() * param.element_size()))
+
+    def end(self) -> None:
+        """``step()`` was called: the backward is over."""
+        ready, self._ready = self._ready, []
+        if not ready:
+            return
+        first = ready[0][0]
+        forward = first - self._began - (self._first_blocked - self._blocked)
+        backward = time.perf_counter() - first - (self._progress.blocked_s - self._first_blocked)
+        self._startup.add(StepSample(forward, backward, [(t - first, nbytes) for t, nbytes in ready]))
+
+
+def _probe_on(reducer: Reducer, device: torch.device) -> Callable[[int, int], None]:
+    """The start-up probe's all-reduce, on the framework's own collective (the plain path's)."""
+    def all_reduce(key: int, nbytes: int) -> None:
+        tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        reducer.wait(reducer.start([(-1 - key, tensor)]))
+
+    return all_reduce
 
 
 def _own_gradients(states: Any) -> None:

@@ -16,8 +16,9 @@ runs the faster (:class:`~bytescheduler.core.modes.ModeDriver`; a first choice's
 to the plain path, a re-trial's to the held one). Both give the same numbers.
 """
 
+import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,9 @@ import torch.distributed as dist
 from ..core import Scheduler, SchedulerConfig, Task
 from ..core.errors import SchedulerClosed, as_library_error
 from ..core.timeline import check_writable
-from ..core.modes import PLAIN, ModeDriver, new_chooser
+from ..core.log import logger
+from ..core.modes import PLAIN, ModeDriver, Phase, new_chooser
+from ..core.startup import BUCKET_BYTES, StartupPredictor, StepSample
 from .grad_views import BucketViews
 from .plain import torch_agreement
 from .layout import param_layout
@@ -79,15 +82,24 @@ class ScheduledHookState:
         self.world_size = self._session.world_size
         self.sparse_group = self._session.groups.sparse if self._session.groups is not None else None
         self.driver: Optional[ModeDriver] = None  # the mode switch (None: always scheduled)
+        self._sampler: Optional[_BucketSampler] = None  # rank 0, the warm-up (start-up prediction)
         self.plain = False  # this iteration's buckets take DDP's own path
         self._iterations = 0
         self.closed = False
         if self.scheduler is not None and settings.adaptive and not settings.auto_tune and self.world_size > 1:
             self._lane = self._session.groups.lanes[0]  # idle whenever the plain path or the agreement uses it
             chooser = new_chooser(settings.mode_switch, settings.start_plain)
-            self.driver = ModeDriver(chooser, self._session.groups.rank == 0,
-                                     torch_agreement(self._lane, self._session.groups.backend),
-                                     rank=self._session.groups.rank)
+            leader = self._session.groups.rank == 0
+            startup = None
+            if chooser.params.predict and chooser.phase == Phase.WARMUP:
+                # DDP's own path can be predicted (its buckets hide their communication); the
+                # scheduled hook cannot end an iteration sooner than DDP by a wide margin.
+                startup = StartupPredictor(_probe_on(self._lane, self._session.groups.backend),
+                                           _model_bytes(model), leader, 0, 0, schedules=False,
+                                           report=lambda prediction: logger.info("rank 0: %s", prediction.text()))
+                self._sampler = _BucketSampler(startup) if leader else None
+            self.driver = ModeDriver(chooser, leader, torch_agreement(self._lane, self._session.groups.backend),
+                                     rank=self._session.groups.rank, startup=startup)
             self.plain = self.driver.mode == PLAIN  # a plan may start on DDP's own path
         # Each large gradient becomes a view of the buffer the bucket is averaged in, so DDP's
         # copy back is a no-op: that saves the pass this hook's division costs (DDP's
@@ -115,7 +127,11 @@ class ScheduledHookState:
         """The first bucket of an iteration arrived: the last iteration ended (every bucket
         of it averaged, as DDP waits for them); let the mode switch see it."""
         if self._iterations and self.driver is not None:
+            if self._sampler is not None:
+                self._sampler.iteration_ended()
             self.plain = self.driver.end_step(drain=self.scheduler.flush) == PLAIN
+            if self._sampler is not None and (self.plain or self.driver.chooser.phase != Phase.WARMUP):
+                self._sampler = None
         self._iterations += 1
         if not self.plain:
             self.scheduler.step_boundary()
@@ -162,6 +178,9 @@ def scheduled_allreduce_hook(
     if bucket.index() == 0:  # the first bucket of an iteration: a step begins
         state.begin_iteration()
     buffer = bucket.buffer()
+    sampler = state._sampler
+    if sampler is not None:
+        sampler.bucket(buffer)
     if state.views is not None and not buffer.is_sparse:
         buffer = state.views.divide(bucket, state.world_size)
     else:
@@ -198,8 +217,57 @@ def scheduled_allreduce_hook(
         state.scheduler.end_burst()
     # DDP reads the future from C++, where only an error raised inside ``then`` counts as
     # an error (a Python-side set_exception would reach DDP as a value it cannot cast).
+    if sampler is not None:
+        communicated.add_done_callback(lambda done: sampler.completed())
     communicated.add_done_callback(lambda done: outcome.set_result(done.exception() or buffer))
     return outcome.then(_buffer_or_raise)
+
+
+class _BucketSampler:
+    """Rank 0's warm-up iterations after the first, for the start-up prediction: when each
+    bucket reached the hook, and when the last one was averaged. An iteration's compute is
+    the span of its buckets (backward) plus the time from the previous iteration's end to its
+    first bucket (the update, the forward and the start of backward)."""
+
+    def __init__(self, startup: StartupPredictor) -> None:
+        self._startup = startup
+        self._ready: List[Tuple[float, int]] = []
+        self._done = 0.0
+        self._previous_end: Optional[float] = None
+
+    def bucket(self, buffer: torch.Tensor) -> None:
+        self._ready.append((time.perf_counter(), buffer.numel() * buffer.element_size()))
+
+    def completed(self) -> None:
+        self._done = time.perf_counter()
+
+    def iteration_ended(self) -> None:
+        """The next iteration's first bucket came: every bucket of the last one is averaged."""
+        ready, self._ready = self._ready, []
+        if not ready:
+            return
+        first, last = ready[0][0], ready[-1][0]
+        end = max(last, self._done)
+        if self._previous_end is not None:
+            self._startup.add(StepSample(first - self._previous_end, last - first,
+                                         [(t - first, nbytes) for t, nbytes in ready], end - self._previous_end))
+        self._previous_end = end
+
+
+def _probe_on(group: Any, backend: str) -> Callable[[int, int], None]:
+    """The start-up probe's all-reduce: DDP's own (one whole bucket on the lane)."""
+    def all_reduce(key: int, nbytes: int) -> None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        dist.all_reduce(torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device), group=group)
+
+    return all_reduce
+
+
+def _model_bytes(model: Optional[torch.nn.Module]) -> int:
+    """The gradients' bytes (bounds the probe), or DDP's default bucket's without the model."""
+    if model is None:
+        return BUCKET_BYTES
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _first_value(future: torch.futures.Future, rank: int) -> torch.Tensor:

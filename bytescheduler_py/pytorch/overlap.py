@@ -103,8 +103,10 @@ class OverlapEngine:
         self.states: Dict[int, ParamState] = self._params.states
         self.guard_reads = guard_reads
         self._plain = False  # the plain path runs (set_plain)
+        self.sampling = None  # rank 0's warm-up sampler, while a step is sampled (adaptive.WarmupSampler)
         self._switch = None if plain is None else ModeSwitch(plain, scheduler.rank, self.states,
-                                                             backward_passes_per_step, absence=absence)
+                                                             backward_passes_per_step, absence=absence,
+                                                             progress=self.progress)
         self._module_waits = ModuleWaits(model, self.states, self.progress)
         self._module_waits.install()  # the scheduled path's (hook_for_schedule)
         # With a timeline, the compute too (for `bytescheduler simulate --trace`); else no hook.
@@ -147,6 +149,8 @@ class OverlapEngine:
             if not self._switch.route.gradient(state):
                 raise GradientError(AGAIN.format(state.name))
             return
+        if self.sampling is not None:
+            self.sampling.gradient(state.param)
         with self._cond:
             state.passes += 1
             if state.passes < self.backward_passes_per_step:
@@ -166,6 +170,8 @@ class OverlapEngine:
 
     def step(self) -> None:
         """Record this step's hyperparameters; updates follow as gradients arrive."""
+        if self.sampling is not None:
+            self.sampling.end()
         self.progress.latch.raise_if_set()
         if self._on_step is not None:
             self._on_step()

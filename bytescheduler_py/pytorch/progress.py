@@ -53,6 +53,7 @@ class Progress:
         self.latch = ErrorLatch()
         self.closed = False
         self.busy = 0
+        self.blocked_s = 0.0  # seconds the waits below blocked, in all (the start-up prediction's)
         self.timeout = timeout
         self._scheduler = scheduler
 
@@ -126,12 +127,21 @@ class Progress:
         """Wait (lock held) until ``done()``; raise the first error, or
         :class:`~bytescheduler.core.errors.CommunicationTimeout` naming ``what`` after
         ``timeout`` seconds."""
+        if done():
+            self.latch.raise_if_set()
+            return
+        began = time.perf_counter()
+        try:
+            self._wait(done, what)
+        finally:
+            self.blocked_s += time.perf_counter() - began
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout
-        if not done():
-            # The training thread needs this now (e.g. a gradient read for clipping, or
-            # synchronize() before step()): what is queued must not sit out a merge cycle
-            # (cycle_ms) waiting for more gradients to come.
-            self._scheduler.end_burst()
+        # The training thread needs this now (e.g. a gradient read for clipping, or
+        # synchronize() before step()): what is queued must not sit out a merge cycle
+        # (cycle_ms) waiting for more gradients to come.
+        self._scheduler.end_burst()
         while not done():
             self.latch.raise_if_set()
             remaining = deadline - time.monotonic()

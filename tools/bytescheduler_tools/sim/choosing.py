@@ -20,7 +20,14 @@ fraction of the step, standard deviation) that comes in runs: each step's noise 
 ``correlation`` of the one before, as on this shared machine, where slow steps come
 several in a row.
 
-``python -m bytescheduler_tools.sim.choosing`` prints the table of docs/benchmarks.md.
+``prediction`` is what the start-up prediction (:mod:`bytescheduler.core.startup`) says
+at the warm-up's end: ``"none"`` (not sure, or turned off: the trials run), ``"right"`` or
+``"wrong"`` (the faster or the slower path is held from then on, until its re-trial), or
+``"sure"``: right where the two paths differ by the model's margin (10%) or more, none
+elsewhere, which is how the prediction is built to behave.
+
+``python -m bytescheduler_tools.sim.choosing`` prints the tables of docs/benchmarks.md:
+without the prediction and with it (``--prediction`` for one of them alone).
 """
 
 from __future__ import annotations
@@ -31,14 +38,17 @@ import random
 import statistics
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from bytescheduler.core.modes import SCHEDULED, ModeChooser
+from bytescheduler.core.modes import PLAIN, SCHEDULED, ModeChooser
+from bytescheduler.core.startup import SCHEDULE_GAIN
 
-CHECKPOINTS = (60, 320, 1000, 3000, 10_000)
+CHECKPOINTS = (13, 60, 320, 1000, 3000, 10_000)
+PREDICTIONS = ("none", "right", "wrong", "sure")
+SURE = 1 + SCHEDULE_GAIN  # the start-up model's margin
 
 
 def choosing_cost(step_seconds: float, speedup: float, steps: Iterable[int] = CHECKPOINTS,
                   noise: float = 0.03, correlation: float = 0.5, seed: int = 0,
-                  chooser: Optional[ModeChooser] = None) -> Dict[int, float]:
+                  chooser: Optional[ModeChooser] = None, prediction: str = "none") -> Dict[int, float]:
     """For each N in ``steps``: the share of the first N steps' time lost against always
     running the faster path (0.01: the training took 1% longer), one noisy run.
 
@@ -50,8 +60,13 @@ def choosing_cost(step_seconds: float, speedup: float, steps: Iterable[int] = CH
     checkpoints = sorted(set(steps))
     if not checkpoints or checkpoints[0] < 1:
         raise ValueError("steps must be positive step counts")
+    if prediction not in PREDICTIONS:
+        raise ValueError(f"prediction must be one of {PREDICTIONS}, not {prediction!r}")
     rng = random.Random(seed)
     chooser = chooser or ModeChooser()
+    faster, slower = (SCHEDULED, PLAIN) if speedup > 1 else (PLAIN, SCHEDULED)
+    said = {"none": None, "right": faster, "wrong": slower,
+            "sure": faster if max(speedup, 1 / speedup) >= SURE - 1e-9 else None}[prediction]
     scheduled = step_seconds / speedup
     best = min(step_seconds, scheduled)
     spent = ideal = 0.0
@@ -66,28 +81,29 @@ def choosing_cost(step_seconds: float, speedup: float, steps: Iterable[int] = CH
         ideal += best * factor
         chooser.record(seconds)
         if chooser.end_step():
-            chooser.adopt(chooser.propose())
+            chooser.adopt(chooser.propose(lambda measured: said))
         if step in checkpoints:
             cost[step] = spent / ideal - 1.0
     return cost
 
 
 def median_cost(step_seconds: float, speedup: float, steps: Sequence[int] = CHECKPOINTS,
-                runs: int = 10, **noise: float) -> Dict[int, List[float]]:
+                runs: int = 10, prediction: str = "none", **noise: float) -> Dict[int, List[float]]:
     """:func:`choosing_cost` over ``runs`` seeds: for each N, ``[median, worst]``."""
-    results = [choosing_cost(step_seconds, speedup, steps, seed=seed, **noise) for seed in range(runs)]
+    results = [choosing_cost(step_seconds, speedup, steps, seed=seed, prediction=prediction, **noise)
+               for seed in range(runs)]
     return {n: [statistics.median(r[n] for r in results), max(r[n] for r in results)] for n in results[0]}
 
 
 def table(step_times: Sequence[float], speedups: Sequence[float], runs: int, noise: float,
-          correlation: float) -> str:
+          correlation: float, prediction: str = "none") -> str:
     """A markdown table: one row per step time and speed-up, the cost after each checkpoint."""
     head = ("| plain step s | schedule's speed-up | "
             + " | ".join(f"{n:,} steps" for n in CHECKPOINTS) + " |")
     lines = [head, "|" + "---|" * (2 + len(CHECKPOINTS))]
     for step in step_times:
         for speedup in speedups:
-            cost = median_cost(step, speedup, CHECKPOINTS, runs, noise=noise, correlation=correlation)
+            cost = median_cost(step, speedup, CHECKPOINTS, runs, prediction, noise=noise, correlation=correlation)
             cells = " | ".join(f"{100 * cost[n][0]:.1f}% ({100 * cost[n][1]:.1f}%)" for n in CHECKPOINTS)
             lines.append(f"| {step:g} | {speedup:g}x | {cells} |")
     return "\n".join(lines)
@@ -107,8 +123,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--noise", type=float, default=0.03, help="step-time noise, a fraction of the step")
     parser.add_argument("--correlation", type=float, default=0.5,
                         help="share of a step's noise that carries over to the next (runs of slow steps)")
+    parser.add_argument("--prediction", choices=PREDICTIONS, default=None,
+                        help="the start-up prediction's say (default: two tables, none and sure)")
     args = parser.parse_args(argv)
-    print(table(args.steps, args.speedups, args.runs, args.noise, args.correlation))
+    for index, prediction in enumerate([args.prediction] if args.prediction else ["none", "sure"]):
+        title = {"none": "Without a start-up prediction (trials first)",
+                 "right": "The start-up prediction right every time",
+                 "wrong": "The start-up prediction wrong every time",
+                 "sure": f"With the start-up prediction (the faster path where the paths differ by "
+                         f"{SCHEDULE_GAIN:.0%} or more, none elsewhere)"}[prediction]
+        print(("\n" if index else "") + title + ":\n")
+        print(table(args.steps, args.speedups, args.runs, args.noise, args.correlation, prediction))
     return 0
 
 
