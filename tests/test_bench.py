@@ -52,7 +52,7 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "bytescheduler.cli", "bench", "--bandwidth", "1gbit", "--model", "tiny",
          "--batch-size", "8", "--systems", "compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again",
-         "scheduled",
+         "ddp-fused", "scheduled",
          "--rounds", "2", "--iters", "1", "--warmup", "1", "--out", str(out), "--deadline", "300"],
         capture_output=True, text=True, timeout=400,
     )
@@ -64,8 +64,14 @@ def test_bench_on_a_1gbit_testbed_writes_every_report(tmp_path):
     # Which machine: runs on two of ours differed 2x in compute alone.
     assert f"Machine: {summary['machine']}." in (out / "results.md").read_text()
     assert summary["machine"].endswith(f", {os.cpu_count()} CPUs"), summary["machine"]
-    assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled"}
+    assert set(summary["systems"]) == {"compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "ddp-fused",
+                                       "scheduled"}
     assert summary["systems"]["ddp-torch-hook"]["baseline"] == "ddp"
+    # ours against the fastest of PyTorch's own ways in the run, too
+    peers = {name: summary["systems"][name]["median_s"] for name in ("ddp", "ddp-fused", "ddp-torch-hook")}
+    scheduled = summary["systems"]["scheduled"]
+    assert scheduled["fastest_peer"] == min(peers, key=peers.get)
+    assert scheduled["speedup_vs_fastest_peer"] == pytest.approx(min(peers.values()) / scheduled["median_s"])
     assert summary["systems"]["ddp-again"]["baseline"] == "ddp" and "A/A control" in done.stdout
     # The link is shaped: a large all-reduce moves at most ~1 Gbit/s per direction.
     assert summary["link_bytes_per_s"] * 8 < 1.1e9
@@ -430,3 +436,35 @@ def test_the_demo_finds_a_shaped_link_here_and_runs_its_first_part_on_it(monkeyp
     assert ran == [[*runner.QUICK_SHAPED, "--out", str(tmp_path / "1gbit"), "--no-pin"]]
     said = capsys.readouterr().out
     assert said.index("Part 1 of 2: a 1 Gbit/s link") < said.index("Part 2 of 2: loopback")
+
+
+def _fused_against_ddp(rank, world_size):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from bytescheduler_tools.bench.worker import FusedStep
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+
+    plain, fused = DDP(model()), DDP(model())
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    fused._register_fused_optim(torch.optim.SGD, lr=0.01, momentum=0.9)
+    step = FusedStep(fused)
+    for index in range(5):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * rank + index))
+        for net, opt in ((plain, optimizer), (fused, step)):
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            opt.step()
+    return max((a - b).abs().max().item() for a, b in zip(plain.parameters(), fused.parameters()))
+
+
+def test_the_ddp_fused_peer_trains_as_ddp_with_its_optimizer():
+    """The bench's ddp-fused (DDP updating each bucket right after its all-reduce) trains the
+    model DDP and SGD train, on 2 gloo ranks: a fair peer."""
+    from tests.distributed import run_ranks
+
+    for difference in run_ranks(_fused_against_ddp, 2, deadline=120):
+        assert difference < 1e-6, difference

@@ -216,6 +216,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lead-in", type=int, default=0,
                         help="untimed iterations at the start of each block (see run_blocks)")
     parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--from-start", action="store_true",
+                        help="do not extend the warm-up until the mode switch has chosen (see run_blocks)")
     parser.add_argument("--partition", default=None)
     parser.add_argument("--credit", default=None)
     parser.add_argument("--auto-tune", type=int, default=0, metavar="STEPS",
@@ -336,8 +338,8 @@ def run_blocks(systems: Dict[str, System], args: argparse.Namespace, barrier: Ca
         for _ in range(args.warmup + (args.auto_tune if system.tuned else 0)):
             system.iterate()
         # The adaptive switch's first trials too (a few dozen steps, once per training run);
-        # its later re-trials fall in the timed blocks.
-        for _ in range(MAX_CHOOSING_STEPS):
+        # its later re-trials fall in the timed blocks. With --from-start they are timed.
+        for _ in range(0 if getattr(args, "from_start", False) else MAX_CHOOSING_STEPS):
             if not system.choosing():
                 break
             system.iterate()

@@ -26,11 +26,16 @@ from typing import Dict, List, Optional, Tuple
 
 from bytescheduler.launcher import ENGINE_KEYS, with_engine_env
 
-BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "ddp-again": "ddp", "scheduled": "ddp",
+BASELINES = {"ddp-hook": "ddp", "ddp-torch-hook": "ddp", "ddp-again": "ddp", "ddp-fused": "ddp", "scheduled": "ddp",
              "hvd-scheduled": "hvd", "hvd-again": "hvd", "mxnet-scheduled": "mxnet",
              "mxnet-again": "mxnet"}
 # Which link measurement (see runner.LINKS) is each system's own framework's sending rate.
+# PyTorch's own ways to train data-parallel (the peers a user would pick today), and the
+# systems of ours compared with the fastest of them that ran.
+TORCH_PEERS = ("ddp", "ddp-fused", "ddp-torch-hook")
+OURS_ON_TORCH = ("ddp-hook", "scheduled")
 LINK_OF = {"ddp": "gloo all-reduce", "ddp-hook": "gloo all-reduce", "ddp-torch-hook": "gloo all-reduce",
+           "ddp-fused": "gloo all-reduce",
            "ddp-again": "gloo all-reduce", "scheduled": "gloo all-reduce",
            "hvd": "Horovod all-reduce", "hvd-scheduled": "Horovod all-reduce", "hvd-again": "Horovod all-reduce",
            "mxnet": "ps-lite push+pull", "mxnet-scheduled": "ps-lite push+pull",
@@ -42,6 +47,7 @@ LABELS = {
     "ddp-hook": "DDP + scheduled hook",
     "ddp-torch-hook": "DDP + PyTorch's allreduce_hook",
     "ddp-again": "DDP default again (A/A control)",
+    "ddp-fused": "DDP + PyTorch's optimizer in backward (_register_fused_optim)",
     "scheduled": "ScheduledOptimizer",
     "hvd": "Horovod DistributedOptimizer",
     "hvd-scheduled": "Horovod + ScheduledOptimizer",
@@ -120,6 +126,13 @@ def summarize(results: List[dict], batch_size: int) -> dict:
             entry["attainable_gain"] = (before - entry["median_s"]) / (before - own_floor) \
                 if before - own_floor > 0.02 * before else None
         entry["fraction_of_floor"] = floor / entry["median_s"]
+    peers = [name for name in TORCH_PEERS if name in summary]
+    if len(peers) > 1:  # against the fastest of PyTorch's own ways in this run
+        fastest = min(peers, key=lambda name: summary[name]["median_s"])
+        for name in OURS_ON_TORCH:
+            if name in summary:
+                summary[name]["speedup_vs_fastest_peer"] = summary[fastest]["median_s"] / summary[name]["median_s"]
+                summary[name]["fastest_peer"] = fastest
     return {
         "systems": summary,
         "floors": {"compute_s": compute, "sending_s": sending, "floor_s": floor},
@@ -149,6 +162,8 @@ def markdown(summary: dict, header: str) -> str:
     ]
     for entry in summary["systems"].values():
         speedup = f"{entry['speedup']:.2f}x vs {LABELS[entry['baseline']]}" if "speedup" in entry else ""
+        if "fastest_peer" in entry and entry["fastest_peer"] != entry.get("baseline"):
+            speedup += f"; {entry['speedup_vs_fastest_peer']:.2f}x vs the fastest peer, {LABELS[entry['fastest_peer']]}"
         busy = entry.get("core_busy_per_rank") or []
         gain = entry.get("attainable_gain")
         gain = "" if "speedup" not in entry else "nothing to win" if gain is None else f"{100 * gain:.0f}%"
@@ -259,11 +274,15 @@ def report(results: List[dict], args, network: str, trace_dir: str, out_dir: str
     summary = summarize(results, args.batch_size)
     summary.update({"command": command, "network": network, "model": args.model, "batch_size": args.batch_size,
                     "iterations_per_block": args.iters, "lead_in": args.lead_in, "rounds": args.rounds,
+                    "warmup": args.warmup, "from_start": bool(getattr(args, "from_start", False)),
                     "left_out": dict(left_out or {}), "machine": machine()})
     lead_in = summary["lead_in"]
     start = (f", each in the steady state (after {lead_in} untimed iteration{'s' if lead_in > 1 else ''}; "
              "the last one's pending communication waited for after the timed span)" if lead_in
              else ", each from rest to rest")
+    if summary["from_start"]:
+        start += (f"; the first block right after {args.warmup} warm-up iterations (the mode switch's "
+                  "first choice timed too)")
     header = (f"Model {args.model}, batch {args.batch_size} per rank, {summary['world_size']} ranks, {network}; "
               f"{args.rounds} alternating blocks of {args.iters} iterations per system{start}. "
               f"Machine: {summary['machine']}."

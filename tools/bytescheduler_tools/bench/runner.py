@@ -46,7 +46,7 @@ from .report import merge, report
 from bytescheduler.launcher import free_port, with_engine_env
 from .testbed import NamespaceTestbed, Testbed, make_testbed, pin_cores
 
-TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-again", "scheduled")
+TORCH_SYSTEMS = ("compute", "comm", "ddp", "ddp-hook", "ddp-torch-hook", "ddp-fused", "ddp-again", "scheduled")
 HOROVOD_SYSTEMS = ("hvd", "hvd-scheduled", "hvd-again")
 MXNET_SYSTEMS = ("mxnet", "mxnet-scheduled", "mxnet-again")
 SYSTEMS = TORCH_SYSTEMS + HOROVOD_SYSTEMS + MXNET_SYSTEMS
@@ -162,6 +162,7 @@ def _worker_options(args: argparse.Namespace, systems: List[str], job_dir: str, 
         "--model", args.model, "--batch-size", str(args.batch_size), "--systems", *systems,
         "--warmup", str(args.warmup), "--iters", str(args.iters), "--rounds", str(rounds),
         "--lead-in", str(args.lead_in),
+        *(["--from-start"] if getattr(args, "from_start", False) else []),
         "--trace-dir", args.trace_dir, "--output", os.path.join(job_dir, "rank{rank}.json"),
     ]
     if args.partition:
@@ -452,6 +453,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "timed span ends with the last timed iteration, its pending communication waited for "
                         "after it (default 0: each block runs from rest to rest, which charges cross-iteration "
                         "overlap one forward and one backward per block)")
+    parser.add_argument("--from-start", action="store_true",
+                        help="time the blocks right after --warmup, the mode switch's first choice included "
+                        "(what a short training or a first try sees; by default the warm-up goes on until "
+                        "the mode switch has chosen)")
     parser.add_argument("--partition", default=None, help="partition size (default: the library's)")
     parser.add_argument("--credit", default=None, help="credit size (default: the library's)")
     parser.add_argument("--auto-tune", type=int, default=0, metavar="STEPS",

@@ -112,6 +112,20 @@ class HookedDDP(System):
         self.state.close()
 
 
+class FusedStep:
+    """The training loop's optimizer for DDP with ``_register_fused_optim``: DDP updates each
+    bucket's parameters right after its all-reduce, so ``step()`` has nothing left to do."""
+
+    def __init__(self, ddp: torch.nn.Module) -> None:
+        self._ddp = ddp
+
+    def zero_grad(self) -> None:
+        self._ddp.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        pass
+
+
 def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -127,6 +141,12 @@ def _make_systems(args, rank: int, tracer: Tracer) -> Dict[str, System]:
             systems[name] = System(name, model, sgd(model), make_batch, **common)
         elif name == "comm":
             systems[name] = CommunicationOnly(name, model, sgd(model), make_batch, **common)
+        elif name == "ddp-fused":  # PyTorch's own overlap of the optimizer with backward
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ddp = DDP(model)
+            ddp._register_fused_optim(torch.optim.SGD, lr=0.01, momentum=0.9)
+            systems[name] = System(name, ddp, FusedStep(ddp), make_batch, **common)
         elif name in ("ddp", "ddp-hook", "ddp-torch-hook", "ddp-again"):
             from torch.nn.parallel import DistributedDataParallel as DDP
 
